@@ -1,0 +1,143 @@
+"""``CPUAdamW``: a torch.optim.Optimizer whose step is infinity's native AdamW."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Tuple
+
+import torch
+
+from .. import native
+from .functional import adamw_step_, check_hyperparameters
+
+__all__ = ["CPUAdamW"]
+
+
+class CPUAdamW(torch.optim.Optimizer):
+    """AdamW (or Adam with L2 weight decay) for fp32 CPU parameters.
+
+    The update runs in the native SIMD kernel (AVX-512, AVX2, NEON or scalar,
+    chosen at run time), multi-threaded, in one pass over memory per param
+    group; without the native library a pure-torch fallback gives the same
+    results more slowly.
+
+    Args:
+        params: iterable of parameters or param-group dicts.
+        lr: learning rate (>= 0).
+        betas: (beta1, beta2), each in [0, 1).
+        eps: term added to the denominator (>= 0).
+        weight_decay: decoupled (AdamW) or L2 (Adam) weight decay (>= 0).
+        adamw_mode: True for torch.optim.AdamW semantics, False for
+            torch.optim.Adam semantics (decay added to the gradient).
+        num_threads: CPU threads of the kernel; default all CPUs of this
+            process (or ``INFINITY_NUM_THREADS``).
+
+    State per parameter uses torch.optim.AdamW's keys (``step``,
+    ``exp_avg``, ``exp_avg_sq``), so state dicts move between the two both
+    ways. Hyper-parameters may differ per param group and may be changed by
+    torch LR schedulers between steps.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        adamw_mode: bool = True,
+        num_threads: Optional[int] = None,
+    ) -> None:
+        if isinstance(lr, torch.Tensor):
+            lr = float(lr)
+        check_hyperparameters(lr, betas, eps, weight_decay)
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            raise ValueError(f"Invalid num_threads: {num_threads!r} (must be a positive int or None)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        adamw_mode=bool(adamw_mode), num_threads=num_threads,
+                        # Keys torch.optim.AdamW's loader expects when it reads our state dict.
+                        amsgrad=False, maximize=False, foreach=None, capturable=False,
+                        differentiable=False, fused=None)
+        super().__init__(params, defaults)
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                self._check_param(p, gi, pi)
+        native.available()  # warn once, now, if the fallback will run
+
+    @staticmethod
+    def _check_param(p: torch.Tensor, gi: int, pi: int) -> None:
+        where = f"param_groups[{gi}]['params'][{pi}]"
+        if p.device.type != "cpu":
+            raise TypeError(f"CPUAdamW: {where} is on {p.device}; it updates CPU parameters only")
+        if p.dtype != torch.float32:
+            raise TypeError(f"CPUAdamW: {where} has dtype {p.dtype}; the master copy must be float32")
+        if p.is_sparse:
+            raise TypeError(f"CPUAdamW: {where} is sparse; dense parameters only")
+        if not p.is_contiguous():
+            raise ValueError(f"CPUAdamW: {where} is not contiguous (shape {tuple(p.shape)}, stride {p.stride()})")
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # Groups loaded from a torch.optim.AdamW/Adam state dict lack our keys.
+        for group in self.param_groups:
+            group.setdefault("adamw_mode", self.defaults.get("adamw_mode", True))
+            group.setdefault("num_threads", self.defaults.get("num_threads"))
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        for pi, p in enumerate(self.param_groups[-1]["params"]):
+            self._check_param(p, gi, pi)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient. Returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                lr = float(lr)
+            beta1, beta2 = group["betas"]
+            check_hyperparameters(lr, (beta1, beta2), group["eps"], group["weight_decay"])
+            # Tensors that stepped equally often share bias corrections: one
+            # native call per distinct step count (normally exactly one).
+            buckets: dict = {}
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise TypeError(f"CPUAdamW: param_groups[{gi}]['params'][{pi}] has a sparse gradient; "
+                                    "sparse gradients are not supported")
+                if g.device.type != "cpu" or g.dtype != torch.float32:
+                    raise TypeError(f"CPUAdamW: param_groups[{gi}]['params'][{pi}] has a gradient of "
+                                    f"{g.dtype} on {g.device}; expected float32 on cpu")
+                if not g.is_contiguous():
+                    g = g.contiguous()
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    s = state[key]
+                    if s.dtype != torch.float32 or s.device.type != "cpu" or not s.is_contiguous() \
+                            or s.shape != p.shape:
+                        state[key] = s.to(device="cpu", dtype=torch.float32).contiguous().view_as(p)
+                step_t = state["step"]
+                step_t += 1
+                step = int(step_t.item())
+                bucket = buckets.setdefault(step, ([], [], [], []))
+                bucket[0].append(p)
+                bucket[1].append(g)
+                bucket[2].append(state["exp_avg"])
+                bucket[3].append(state["exp_avg_sq"])
+            for step, (ps, gs, ms, vs) in buckets.items():
+                adamw_step_(ps, gs, ms, vs, step=step, lr=float(lr), beta1=float(beta1), beta2=float(beta2),
+                            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                            adamw_mode=group.get("adamw_mode", True), num_threads=group.get("num_threads"),
+                            validate=False)
+        return loss

@@ -1,0 +1,164 @@
+"""Fused AdamW step over fp32 CPU buffers: the maths of infinity's optimizer.
+
+One call updates, in a single pass over memory, fp32 master weights and their
+fp32 ``exp_avg``/``exp_avg_sq`` from gradients that are fp32, bf16 or fp16,
+and optionally writes the updated weights as bf16/fp16/fp32 into a second
+buffer (the compute copy the offload engine sends to the device).
+
+The native kernel (``native/src/adam_kernel.inc``) runs when the library is
+built; otherwise :func:`_fallback_step` computes the same maths with torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from .. import native
+
+__all__ = ["adamw_step_", "check_hyperparameters"]
+
+_GRAD_DT = {torch.float32: native.DT_F32, torch.bfloat16: native.DT_BF16, torch.float16: native.DT_F16}
+_OUT_DT = _GRAD_DT
+
+
+def check_hyperparameters(lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
+    """Raise ValueError naming the hyper-parameter that is out of range."""
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"Invalid lr: {lr!r} (must be a finite float >= 0)")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"Invalid eps: {eps!r} (must be a finite float >= 0)")
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (must be a pair (beta1, beta2))")
+    for i, b in enumerate(betas):
+        if not (isinstance(b, (int, float)) and 0.0 <= b < 1.0):
+            raise ValueError(f"Invalid beta{i + 1} (betas[{i}]): {b!r} (must be in [0, 1))")
+    if not (isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0.0):
+        raise ValueError(f"Invalid weight_decay: {weight_decay!r} (must be a finite float >= 0)")
+
+
+def _check_buffer(t: torch.Tensor, what: str, i: int, numel: int, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_sparse or t.layout != torch.strided:
+        raise TypeError(f"{what}[{i}] is sparse ({t.layout}); infinity's AdamW needs dense tensors")
+    if t.device.type != "cpu":
+        raise TypeError(f"{what}[{i}] is on {t.device}; the CPU AdamW kernel needs CPU tensors")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{what}[{i}] has dtype {t.dtype}; expected {names}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}[{i}] is not contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    if t.numel() != numel:
+        raise ValueError(f"{what}[{i}] has {t.numel()} elements but params[{i}] has {numel}")
+
+
+def adamw_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    grad_scale: float = 1.0,
+    outs: Optional[Sequence[torch.Tensor]] = None,
+    num_threads: Optional[int] = None,
+    validate: bool = True,
+) -> None:
+    """One AdamW (``adamw_mode=True``) or Adam-with-L2 step, in place.
+
+    Args:
+        params: fp32 CPU master weights (updated in place).
+        grads: gradients, fp32, bf16 or fp16, one dtype for the whole call;
+            multiplied by ``grad_scale`` first (pass ``1/loss_scale`` to unscale).
+        exp_avgs, exp_avg_sqs: fp32 moments (updated in place).
+        step: the step number after incrementing (1 for the first step), used
+            for the bias corrections ``1 - beta**step``.
+        outs: optional copy-out buffers, one dtype for the call (bf16, fp16 or
+            fp32), written with the updated weights (round to nearest even).
+        num_threads: threads for this call (default :func:`native.default_num_threads`).
+        validate: check devices, dtypes, contiguity and sizes (the offload
+            engine passes False for buffers it allocated itself).
+
+    All tensors of index i must have the same number of elements. Many tensors
+    cost one native call: the work is split across threads by element count.
+    """
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or (outs is not None and len(outs) != n):
+        raise ValueError(f"adamw_step_: list lengths differ: params {n}, grads {len(grads)}, "
+                         f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}"
+                         + (f", outs {len(outs)}" if outs is not None else ""))
+    if n == 0:
+        return
+    gdtype = grads[0].dtype
+    odtype = outs[0].dtype if outs is not None else None
+    if validate:
+        check_hyperparameters(lr, (beta1, beta2), eps, weight_decay)
+        if step < 1:
+            raise ValueError(f"Invalid step: {step!r} (must be >= 1 after incrementing)")
+        for i in range(n):
+            numel = params[i].numel() if isinstance(params[i], torch.Tensor) else -1
+            _check_buffer(params[i], "params", i, numel, (torch.float32,))
+            _check_buffer(grads[i], "grads", i, numel, (gdtype,) if gdtype in _GRAD_DT else tuple(_GRAD_DT))
+            _check_buffer(exp_avgs[i], "exp_avgs", i, numel, (torch.float32,))
+            _check_buffer(exp_avg_sqs[i], "exp_avg_sqs", i, numel, (torch.float32,))
+            if outs is not None:
+                _check_buffer(outs[i], "outs", i, numel, (odtype,) if odtype in _OUT_DT else tuple(_OUT_DT))
+    bc1 = 1.0 - beta1 ** step
+    bc2 = 1.0 - beta2 ** step
+    if native.available():
+        _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
+                     weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads)
+    else:
+        _fallback_step(params, grads, exp_avgs, exp_avg_sqs, outs, lr, beta1, beta2, eps, weight_decay,
+                       bc1, bc2, grad_scale, adamw_mode)
+
+
+def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
+                 weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads) -> None:
+    n = len(params)
+    ptrs = [t.data_ptr() for t in params]
+    ptrs += [t.data_ptr() for t in grads]
+    ptrs += [t.data_ptr() for t in exp_avgs]
+    ptrs += [t.data_ptr() for t in exp_avg_sqs]
+    ptrs += [t.data_ptr() for t in outs] if outs is not None else [0] * n
+    ptr_arr = (ctypes.c_int64 * (5 * n))(*ptrs)
+    numel_arr = (ctypes.c_int64 * n)(*[t.numel() for t in params])
+    hp = native.AdamHParams(lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, int(bool(adamw_mode)),
+                            num_threads or native.default_num_threads())
+    rc = native.lib().inf_adam_step(native.selected_isa(), n, ptr_arr, numel_arr, _GRAD_DT[gdtype],
+                                    _OUT_DT[odtype] if odtype is not None else native.DT_NONE, ctypes.byref(hp))
+    if rc != 0:
+        raise RuntimeError(f"inf_adam_step failed with code {rc} "
+                           f"({'bad argument' if rc == native.E_INVAL else 'ISA unavailable'})")
+
+
+def _fallback_step(params, grads, exp_avgs, exp_avg_sqs, outs, lr, beta1, beta2, eps, weight_decay,
+                   bc1, bc2, grad_scale, adamw_mode) -> None:
+    """The same maths with torch ops (torch.optim.AdamW foreach=False order)."""
+    step_size = lr / bc1
+    bc2_sqrt = math.sqrt(bc2)
+    for i, p in enumerate(params):
+        g = grads[i].float() if grads[i].dtype != torch.float32 else grads[i]
+        if grad_scale != 1.0:
+            g = g * grad_scale
+        if weight_decay != 0:
+            if adamw_mode:
+                p.mul_(1.0 - lr * weight_decay)
+            else:
+                g = g.add(p, alpha=weight_decay)
+        exp_avgs[i].lerp_(g, 1.0 - beta1)
+        exp_avg_sqs[i].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        denom = (exp_avg_sqs[i].sqrt() / bc2_sqrt).add_(eps)
+        p.addcdiv_(exp_avgs[i], denom, value=-step_size)
+        if outs is not None:
+            outs[i].view(-1).copy_(p.view(-1))

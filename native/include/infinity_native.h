@@ -1,0 +1,88 @@
+/* C ABI of infinity's native library.
+ *
+ * Every entry point takes raw pointers and lengths (elements or bytes, as
+ * named) and returns 0 on success or a negative INF_E* code. Python binds it
+ * with ctypes (infinity/_native.py), which releases the GIL for each call.
+ * No PyTorch header is used, so one build serves every torch version.
+ */
+#ifndef INFINITY_NATIVE_H
+#define INFINITY_NATIVE_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define INF_API __attribute__((visibility("default")))
+
+/* Error codes. */
+#define INF_OK 0
+#define INF_E_INVAL (-1)     /* bad argument (null pointer, bad dtype, n < 0) */
+#define INF_E_ISA (-2)       /* ISA not compiled in or not supported by this CPU */
+
+/* ISA levels, ordered by preference. */
+#define INF_ISA_SCALAR 0
+#define INF_ISA_AVX2 1
+#define INF_ISA_AVX512 2
+#define INF_ISA_NEON 3
+#define INF_ISA_COUNT 4
+
+/* Element types of gradients and of the optional parameter copy-out. */
+#define INF_DT_NONE 0   /* no copy-out */
+#define INF_DT_F32 1
+#define INF_DT_BF16 2
+#define INF_DT_F16 3
+
+/* Hyper-parameters of one AdamW/Adam call. Doubles, as Python floats are:
+ * derived constants (step size, 1 - beta, ...) are computed in double and
+ * rounded once to fp32, as torch does with its Python-scalar arguments. */
+typedef struct inf_adam_hparams {
+  double lr;               /* learning rate */
+  double beta1, beta2;
+  double eps;
+  double weight_decay;
+  double bias_correction1; /* 1 - beta1^step */
+  double bias_correction2; /* 1 - beta2^step */
+  double grad_scale;       /* gradients are multiplied by this (1/loss_scale); 1 = none */
+  int32_t adamw_mode;      /* 1: decoupled weight decay (AdamW); 0: L2 (Adam) */
+  int32_t num_threads;     /* <= 0: library default */
+} inf_adam_hparams;
+
+/* Which ISA levels were compiled in, and which the CPU and OS support
+ * (CPUID + XGETBV). Bit i set = level i available. */
+INF_API uint32_t inf_isa_compiled(void);
+INF_API uint32_t inf_isa_supported(void);
+/* Best level both compiled and supported. */
+INF_API int32_t inf_isa_best(void);
+/* Human-readable build description (compiler, flags per ISA). Static string. */
+INF_API const char* inf_build_info(void);
+/* Library default thread count (online CPUs in the affinity mask). */
+INF_API int32_t inf_default_threads(void);
+
+/* One fused AdamW (or Adam, adamw_mode=0) step over n_tensors tensors.
+ *
+ * ptrs holds 5*n_tensors addresses, as five consecutive arrays:
+ *   params[n]  fp32 master weights, updated in place
+ *   grads[n]   gradients of grad_dtype (F32, BF16 or F16), read only
+ *   exp_avg[n], exp_avg_sq[n]  fp32 moments, updated in place
+ *   outs[n]    copy-out of the updated params as out_dtype (NONE: ignored)
+ * numels[n] are element counts. All buffers of one tensor hold numels[i]
+ * elements; buffers must not overlap. Work is split over num_threads threads
+ * by element count across tensors, so many small tensors cost one call. */
+INF_API int32_t inf_adam_step(int32_t isa, int64_t n_tensors, const int64_t* ptrs,
+                              const int64_t* numels, int32_t grad_dtype, int32_t out_dtype,
+                              const inf_adam_hparams* hp);
+
+/* Memory-bandwidth probe with exactly the access pattern of inf_adam_step
+ * (same loads, in-place stores and copy-out, same threading and ISA), but
+ * trivial arithmetic. Its time gives the Adam roofline of this machine.
+ * Contents of the buffers are changed (kept finite). */
+INF_API int32_t inf_probe_step(int32_t isa, int64_t n_tensors, const int64_t* ptrs,
+                               const int64_t* numels, int32_t grad_dtype, int32_t out_dtype,
+                               int32_t num_threads);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* INFINITY_NATIVE_H */

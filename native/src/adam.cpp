@@ -1,0 +1,186 @@
+// Dispatch of the AdamW kernels: ISA choice, argument checks, and splitting
+// a multi-tensor call over the thread pool by element count.
+#include <math.h>
+#include <stdint.h>
+
+#include <vector>
+
+#include "build_info.h"
+#include "infinity_native.h"
+#include "isa.h"
+#include "thread_pool.h"
+
+using namespace infinity_native;
+
+namespace {
+
+uint32_t compiled_mask() {
+  uint32_t m = 0;
+#if defined(INF_HAVE_SCALAR)
+  m |= 1u << INF_ISA_SCALAR;
+#endif
+#if defined(INF_HAVE_AVX2)
+  m |= 1u << INF_ISA_AVX2;
+#endif
+#if defined(INF_HAVE_AVX512)
+  m |= 1u << INF_ISA_AVX512;
+#endif
+#if defined(INF_HAVE_NEON)
+  m |= 1u << INF_ISA_NEON;
+#endif
+  return m;
+}
+
+RangeFn range_fn(int32_t isa) {
+  switch (isa) {
+#if defined(INF_HAVE_SCALAR)
+    case INF_ISA_SCALAR: return scalar::adam_range;
+#endif
+#if defined(INF_HAVE_AVX2)
+    case INF_ISA_AVX2: return avx2::adam_range;
+#endif
+#if defined(INF_HAVE_AVX512)
+    case INF_ISA_AVX512: return avx512::adam_range;
+#endif
+#if defined(INF_HAVE_NEON)
+    case INF_ISA_NEON: return neon::adam_range;
+#endif
+    default: return nullptr;
+  }
+}
+
+// Below this many elements per thread, waking another thread costs more than
+// it saves (~10 us of work at memory speed).
+constexpr int64_t kMinElemsPerThread = 1 << 15;
+// Thread chunks start at multiples of this many elements (one 64-byte line
+// of fp32 and of bf16), so threads never share a cache line of a buffer.
+constexpr int64_t kChunkAlign = 64;
+
+struct Job {
+  RangeFn fn;
+  const int64_t* ptrs;
+  int64_t n_tensors;
+  const int64_t* prefix;  // prefix[i] = first global element of tensor i; prefix[n] = total
+  int32_t gdt, odt;
+  int gsize, osize;       // bytes per element of grad and out
+  AdamConsts c;
+  bool probe;
+  int nthreads;
+};
+
+int dt_size(int32_t dt) {
+  switch (dt) {
+    case INF_DT_F32: return 4;
+    case INF_DT_BF16:
+    case INF_DT_F16: return 2;
+    default: return 0;
+  }
+}
+
+void run_chunk(void* raw, int tid) {
+  const Job& j = *static_cast<const Job*>(raw);
+  const int64_t total = j.prefix[j.n_tensors];
+  auto bound = [&](int t) {
+    int64_t b = total * t / j.nthreads;
+    b -= b % kChunkAlign;
+    return t == j.nthreads ? total : b;
+  };
+  int64_t lo = bound(tid), hi = bound(tid + 1);
+  if (lo >= hi) return;
+  // First tensor that ends after lo (binary search over the prefix sums).
+  int64_t a = 0, b = j.n_tensors - 1;
+  while (a < b) {
+    const int64_t mid = (a + b) / 2;
+    if (j.prefix[mid + 1] <= lo) a = mid + 1; else b = mid;
+  }
+  const int64_t n = j.n_tensors;
+  for (int64_t t = a; t < n && j.prefix[t] < hi; ++t) {
+    const int64_t s = (lo > j.prefix[t] ? lo : j.prefix[t]) - j.prefix[t];
+    const int64_t e = (hi < j.prefix[t + 1] ? hi : j.prefix[t + 1]) - j.prefix[t];
+    if (e <= s) continue;
+    float* p = reinterpret_cast<float*>(j.ptrs[t]) + s;
+    const char* g = reinterpret_cast<const char*>(j.ptrs[n + t]) + s * j.gsize;
+    float* m = reinterpret_cast<float*>(j.ptrs[2 * n + t]) + s;
+    float* v = reinterpret_cast<float*>(j.ptrs[3 * n + t]) + s;
+    char* o = j.osize ? reinterpret_cast<char*>(j.ptrs[4 * n + t]) + s * j.osize : nullptr;
+    j.fn(p, g, m, v, o, e - s, j.gdt, j.odt, j.c, j.probe);
+  }
+}
+
+int32_t run(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* numels,
+            int32_t gdt, int32_t odt, const AdamConsts& c, int32_t num_threads, bool probe) {
+  if (n_tensors < 0 || (n_tensors > 0 && (!ptrs || !numels))) return INF_E_INVAL;
+  if (dt_size(gdt) == 0) return INF_E_INVAL;
+  if (odt != INF_DT_NONE && dt_size(odt) == 0) return INF_E_INVAL;
+  if (isa < 0) isa = inf_isa_best();
+  if (!((inf_isa_compiled() & inf_isa_supported()) & (1u << isa))) return INF_E_ISA;
+  RangeFn fn = range_fn(isa);
+  if (!fn) return INF_E_ISA;
+  if (n_tensors == 0) return INF_OK;
+
+  std::vector<int64_t> prefix(n_tensors + 1);
+  prefix[0] = 0;
+  for (int64_t i = 0; i < n_tensors; ++i) {
+    if (numels[i] < 0) return INF_E_INVAL;
+    if (numels[i] > 0) {
+      for (int k = 0; k < 4; ++k)
+        if (ptrs[k * n_tensors + i] == 0) return INF_E_INVAL;
+      if (odt != INF_DT_NONE && ptrs[4 * n_tensors + i] == 0) return INF_E_INVAL;
+    }
+    prefix[i + 1] = prefix[i] + numels[i];
+  }
+  const int64_t total = prefix[n_tensors];
+  int nt = num_threads > 0 ? num_threads : default_threads();
+  const int64_t by_size = total / kMinElemsPerThread;
+  if (by_size < nt) nt = by_size < 1 ? 1 : static_cast<int>(by_size);
+
+  Job job{fn, ptrs, n_tensors, prefix.data(), gdt, odt, dt_size(gdt),
+          odt == INF_DT_NONE ? 0 : dt_size(odt), c, probe, nt};
+  parallel_run(nt, run_chunk, &job);
+  return INF_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+uint32_t inf_isa_compiled(void) { return compiled_mask(); }
+uint32_t inf_isa_supported(void) { return inf_cpu_isa_mask(); }
+
+int32_t inf_isa_best(void) {
+  const uint32_t ok = compiled_mask() & inf_cpu_isa_mask();
+  for (int32_t isa : {INF_ISA_AVX512, INF_ISA_NEON, INF_ISA_AVX2, INF_ISA_SCALAR})
+    if (ok & (1u << isa)) return isa;
+  return INF_ISA_SCALAR;
+}
+
+const char* inf_build_info(void) { return INF_BUILD_FLAGS; }
+
+int32_t inf_default_threads(void) { return default_threads(); }
+
+int32_t inf_adam_step(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* numels,
+                      int32_t grad_dtype, int32_t out_dtype, const inf_adam_hparams* hp) {
+  if (!hp) return INF_E_INVAL;
+  AdamConsts c;
+  const double lr = hp->lr, wd = hp->weight_decay;
+  c.adamw = hp->adamw_mode != 0;
+  c.lr_decay = c.adamw ? static_cast<float>(1.0 - lr * wd) : 1.0f;
+  c.l2 = c.adamw ? 0.0f : static_cast<float>(wd);
+  c.one_minus_b1 = static_cast<float>(1.0 - hp->beta1);
+  c.beta2 = static_cast<float>(hp->beta2);
+  c.one_minus_b2 = static_cast<float>(1.0 - hp->beta2);
+  c.neg_step_size = static_cast<float>(-(lr / hp->bias_correction1));
+  c.bc2_sqrt = static_cast<float>(sqrt(hp->bias_correction2));
+  c.eps = static_cast<float>(hp->eps);
+  c.grad_scale = static_cast<float>(hp->grad_scale);
+  return run(isa, n_tensors, ptrs, numels, grad_dtype, out_dtype, c, hp->num_threads, false);
+}
+
+int32_t inf_probe_step(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* numels,
+                       int32_t grad_dtype, int32_t out_dtype, int32_t num_threads) {
+  AdamConsts c{};
+  c.grad_scale = 1e-6f;  // keeps repeated probes finite
+  return run(isa, n_tensors, ptrs, numels, grad_dtype, out_dtype, c, num_threads, true);
+}
+
+}  // extern "C"

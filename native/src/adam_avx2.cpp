@@ -1,0 +1,58 @@
+// AVX2 + FMA + F16C AdamW (8 fp32 lanes). Compiled with -mavx2 -mfma -mf16c
+// only; chosen at run time when CPUID and XCR0 allow it.
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "isa.h"
+
+namespace infinity_native {
+namespace {
+#include "lane1.inc"
+
+struct Vec {
+  using V = __m256;
+  static constexpr int W = 8;
+  static inline V set1(float x) { return _mm256_set1_ps(x); }
+  static inline V loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void storef(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static inline V load_bf16(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static inline V load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline void store_bf16(uint16_t* p, V x) {
+    // Round to nearest even as torch does; NaN -> 0x7FC0.
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), is_nan);
+    // Pack 8 x u32 (each <= 0xFFFF) into 8 x u16 in order.
+    const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane
+    const __m256i ordered = _mm256_permute4x64_epi64(packed, 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(ordered));
+  }
+  static inline void store_f16(uint16_t* p, V x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static inline V div(V a, V b) { return _mm256_div_ps(a, b); }
+};
+
+#include "adam_kernel.inc"
+}  // namespace
+
+namespace avx2 {
+void adam_range(float* p, const void* g, float* m, float* v, void* out, int64_t n, int32_t gdt,
+                int32_t odt, const AdamConsts& c, bool probe) {
+  adam_range_entry(p, g, m, v, out, n, gdt, odt, c, probe);
+}
+}  // namespace avx2
+}  // namespace infinity_native

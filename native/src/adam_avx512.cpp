@@ -1,0 +1,55 @@
+// AVX-512 (F/BW/VL/DQ) AdamW (16 fp32 lanes). Compiled with its own flags
+// only; chosen at run time when CPUID and XCR0 (opmask + ZMM state) allow it.
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "isa.h"
+
+namespace infinity_native {
+namespace {
+#include "lane1.inc"
+
+struct Vec {
+  using V = __m512;
+  static constexpr int W = 16;
+  static inline V set1(float x) { return _mm512_set1_ps(x); }
+  static inline V loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void storef(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static inline V load_bf16(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static inline V load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static inline void store_bf16(uint16_t* p, V x) {
+    // Round to nearest even as torch does; NaN -> 0x7FC0.
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(is_nan, r, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static inline void store_f16(uint16_t* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline V sqrt(V a) { return _mm512_sqrt_ps(a); }
+  static inline V div(V a, V b) { return _mm512_div_ps(a, b); }
+};
+
+#include "adam_kernel.inc"
+}  // namespace
+
+namespace avx512 {
+void adam_range(float* p, const void* g, float* m, float* v, void* out, int64_t n, int32_t gdt,
+                int32_t odt, const AdamConsts& c, bool probe) {
+  adam_range_entry(p, g, m, v, out, n, gdt, odt, c, probe);
+}
+}  // namespace avx512
+}  // namespace infinity_native

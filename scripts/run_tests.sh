@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test command of the README: sets up ./.venv from nothing if needed, then
+# runs the test suite (slow cases excluded; run them with `-m slow`).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup_env.sh"
+venv="${INFINITY_VENV:-$root/.venv}"
+cd "$root"
+exec "$venv/bin/python" -m pytest -q "$@"
