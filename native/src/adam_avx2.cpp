@@ -23,6 +23,14 @@ struct Vec {
   static inline V load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  static constexpr bool kStreaming = true;
+  static inline void fence() { _mm_sfence(); }
+  static inline void streamf(float* p, V x) { _mm256_stream_ps(p, x); }
+  static inline void store8(uint16_t* p, __m128i x, bool nt) {
+    if (nt) _mm_stream_si128(reinterpret_cast<__m128i*>(p), x);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(p), x);
+  }
+  template <bool NT = false>
   static inline void store_bf16(uint16_t* p, V x) {
     // Round to nearest even as torch does; NaN -> 0x7FC0.
     const __m256i u = _mm256_castps_si256(x);
@@ -33,10 +41,11 @@ struct Vec {
     // Pack 8 x u32 (each <= 0xFFFF) into 8 x u16 in order.
     const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane
     const __m256i ordered = _mm256_permute4x64_epi64(packed, 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(ordered));
+    store8(p, _mm256_castsi256_si128(ordered), NT);
   }
+  template <bool NT = false>
   static inline void store_f16(uint16_t* p, V x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    store8(p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), NT);
   }
   static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
   static inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }

@@ -23,6 +23,14 @@ struct Vec {
   static inline V load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static constexpr bool kStreaming = true;
+  static inline void fence() { _mm_sfence(); }
+  static inline void streamf(float* p, V x) { _mm512_stream_ps(p, x); }
+  static inline void store16(uint16_t* p, __m256i x, bool nt) {
+    if (nt) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), x);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
+  }
+  template <bool NT = false>
   static inline void store_bf16(uint16_t* p, V x) {
     // Round to nearest even as torch does; NaN -> 0x7FC0.
     const __m512i u = _mm512_castps_si512(x);
@@ -30,10 +38,11 @@ struct Vec {
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_blend_epi32(is_nan, r, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    store16(p, _mm512_cvtepi32_epi16(r), NT);
   }
+  template <bool NT = false>
   static inline void store_f16(uint16_t* p, V x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    store16(p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), NT);
   }
   static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
   static inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }

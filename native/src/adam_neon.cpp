@@ -21,6 +21,10 @@ struct Vec {
   static inline V load_f16(const uint16_t* p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
   }
+  static constexpr bool kStreaming = false;
+  static inline void fence() {}
+  static inline void streamf(float* p, V x) { vst1q_f32(p, x); }
+  template <bool NT = false>
   static inline void store_bf16(uint16_t* p, V x) {
     // Round to nearest even as torch does; NaN -> 0x7FC0.
     const uint32x4_t u = vreinterpretq_u32_f32(x);
@@ -30,6 +34,7 @@ struct Vec {
     r = vbslq_u32(is_num, r, vdupq_n_u32(0x7FC0));
     vst1_u16(p, vmovn_u32(r));
   }
+  template <bool NT = false>
   static inline void store_f16(uint16_t* p, V x) {
     // FPCR default rounding is to nearest even.
     vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x)));

@@ -12,7 +12,7 @@
 namespace infinity_native {
 namespace {
 
-constexpr int kSpinIters = 20000;  // ~tens of microseconds before sleeping
+constexpr int kSpinIters = 2000;  // a few tens of microseconds before sleeping
 
 struct Pool {
   std::mutex call_mu;  // one parallel_run at a time
