@@ -2,11 +2,18 @@
 
 Tiered memory (device, pinned host, NVMe), async prefetch, a native CPU SIMD
 AdamW and ZeRO stages 1-3. See docs/architecture.md.
+
+    config = infinity.Config(device="cuda", dtype="bf16", device_memory="8GiB", host_memory="32GiB")
+    model, optimizer = infinity.initialize(model, config, lr=3e-4, weight_decay=0.1)
 """
 
 from . import native, optim
+from .api import full_state_dict, initialize, stats
+from .config import Config
+from .engine.tiers import BudgetError
 from .optim import CPUAdamW
 
 __version__ = "0.1.0"
 
-__all__ = ["native", "optim", "CPUAdamW", "__version__"]
+__all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "full_state_dict", "BudgetError",
+           "__version__"]

@@ -1,0 +1,185 @@
+"""Public entry points: ``initialize``, ``stats``, ``full_state_dict``."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .config import Config
+from .engine.core import Engine
+from .engine.hooks import install_hooks
+from .engine.optimizer import InfinityOptimizer
+from .optim.functional import check_hyperparameters
+
+__all__ = ["initialize", "stats", "full_state_dict", "engine_of"]
+
+# model -> its engine. Weak, so a dropped model frees its engine.
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, Engine]" = weakref.WeakKeyDictionary()
+
+_OPT_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw_mode")
+
+
+def initialize(model: nn.Module, config: Optional[Config] = None, *, param_groups: Optional[List[dict]] = None,
+               **optimizer_kwargs: Any) -> Tuple[nn.Module, InfinityOptimizer]:
+    """Takes over ``model``'s parameters and returns ``(model, optimizer)``.
+
+    The model is the same object, with hooks that page each unit's parameters
+    onto the device before use; keep the training loop as it is
+    (``loss.backward(); optimizer.step(); optimizer.zero_grad()``).
+
+    Args:
+        model: an ordinary ``nn.Module`` (fp32 parameters on the CPU or meta).
+        config: :class:`infinity.Config` (default: ``Config()``).
+        param_groups: optional torch-style groups (dicts with ``"params"``, a
+            list of the model's parameters, plus any of lr, betas, eps,
+            weight_decay, adamw_mode); parameters not listed join a default group.
+        **optimizer_kwargs: AdamW defaults: ``lr`` (1e-3), ``betas``
+            ((0.9, 0.999)), ``eps`` (1e-8), ``weight_decay`` (1e-2),
+            ``adamw_mode`` (True; False = Adam with L2 decay).
+
+    Raises:
+        ValueError/TypeError naming the argument at fault; ``BudgetError`` when
+        a budget cannot hold what the configuration needs (bytes named).
+    """
+    config = config if config is not None else Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"initialize: config must be an infinity.Config, got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize: model must be an nn.Module, got {type(model).__name__}")
+    if model in _ENGINES:
+        raise ValueError("initialize: this model is already managed by infinity")
+    unknown = set(optimizer_kwargs) - set(_OPT_KEYS)
+    if unknown:
+        raise ValueError(f"initialize: unknown optimizer argument(s) {sorted(unknown)}; valid: {list(_OPT_KEYS)}")
+    defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, adamw_mode=True)
+    defaults.update(optimizer_kwargs)
+    defaults["betas"] = tuple(defaults["betas"])
+    check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
+    for name, p in model.named_parameters():
+        if p.dtype != torch.float32 and p.device.type != "meta":
+            raise TypeError(f"initialize: parameter {name!r} has dtype {p.dtype}; give the model in float32 "
+                            "(infinity keeps an fp32 master copy and casts the compute copy to Config.dtype)")
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups: List[dict] = []
+    seen = set()
+    for gi, g in enumerate(param_groups or []):
+        if "params" not in g:
+            raise ValueError(f"initialize: param_groups[{gi}] has no 'params'")
+        bad = set(g) - set(_OPT_KEYS) - {"params"}
+        if bad:
+            raise ValueError(f"initialize: param_groups[{gi}] has unknown key(s) {sorted(bad)}")
+        ps = [p for p in g["params"] if p.requires_grad]
+        for p in ps:
+            if id(p) in seen:
+                raise ValueError(f"initialize: a parameter appears in more than one of param_groups")
+            seen.add(id(p))
+        grp = dict(defaults)
+        grp.update({k: v for k, v in g.items() if k != "params"})
+        grp["betas"] = tuple(grp["betas"])
+        check_hyperparameters(grp["lr"], grp["betas"], grp["eps"], grp["weight_decay"])
+        grp["params"] = ps
+        groups.append(grp)
+    rest = [p for p in trainable if id(p) not in seen]
+    if rest or not groups:
+        groups.append(dict(defaults, params=rest))
+    group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+
+    engine = Engine(model, config, group_of)
+    # Only non-empty groups: torch's Optimizer refuses empty ones.
+    groups = [g for g in groups if g["params"]] or [dict(defaults, params=[])]
+    remap = {}
+    for gi, g in enumerate(groups):
+        for p in g["params"]:
+            remap[id(p)] = gi
+    for u in engine.units:
+        for s in u.layout.trainable_slots:
+            s.group = remap[id(s.param)]
+    if not groups[0]["params"]:
+        raise ValueError("initialize: the model has no trainable parameters")
+    optimizer = InfinityOptimizer(engine, groups, defaults)
+    engine.hooks = install_hooks(engine, optimizer._on_unit_grads, optimizer._on_backward_end)
+    engine.optimizer = optimizer
+    _ENGINES[model] = engine
+    return model, optimizer
+
+
+def engine_of(model: nn.Module) -> Engine:
+    """The engine managing ``model``; raises ValueError if ``initialize`` was not called on it."""
+    try:
+        return _ENGINES[model]
+    except KeyError:
+        raise ValueError("this model is not managed by infinity: call infinity.initialize(model, config) first") \
+            from None
+
+
+def stats(model: nn.Module) -> Dict[str, Any]:
+    """Counters of ``model``'s engine.
+
+    Keys: ``peak_bytes`` and ``budget_bytes`` per tier ("device", "host",
+    "nvme"); ``bytes_moved`` per link since initialize ("h2d", "d2h",
+    "nvme_read", "nvme_write") and ``step_bytes_moved`` (the last step's);
+    ``stall_seconds`` (compute waiting for data); ``optimizer_seconds`` (inside
+    optimizer kernels) and ``optimizer_wait_seconds`` (of that, what step()
+    waited for); ``overlap`` (share of optimizer time hidden behind
+    forward/backward); ``fetches``, ``prefetches``, ``evictions``, ``steps``,
+    ``skipped_steps``, ``trace_invalidations``, ``units``; ``loss_scale``.
+    """
+    eng = engine_of(model)
+    s = eng.stats
+    opt = getattr(eng, "optimizer", None)
+    hidden = 0.0
+    if s.optimizer_seconds > 0 and eng.config.overlap != "step":
+        hidden = max(0.0, 1.0 - s.optimizer_wait_seconds / s.optimizer_seconds)
+    return {
+        "peak_bytes": {"device": eng.device_tier.peak_bytes, "host": eng.host_tier.peak_bytes, "nvme": 0},
+        "budget_bytes": {"device": eng.device_budget, "host": eng.host_budget, "nvme": None},
+        "bytes_moved": dict(s.bytes_moved),
+        "step_bytes_moved": dict(s.step_bytes_moved),
+        "stall_seconds": s.stall_seconds,
+        "optimizer_seconds": s.optimizer_seconds,
+        "optimizer_wait_seconds": s.optimizer_wait_seconds,
+        "overlap": hidden,
+        "fetches": s.fetches,
+        "prefetches": s.prefetches,
+        "evictions": s.evictions,
+        "steps": s.steps,
+        "skipped_steps": s.skipped_steps,
+        "trace_invalidations": s.trace_invalidations,
+        "units": len(eng.units),
+        "loss_scale": opt.loss_scale if opt is not None else 1.0,
+        "host_pinned": eng.host_tier.pinned,
+    }
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's full state dict as ordinary CPU tensors, keys as in
+    ``model.state_dict()``: trainable parameters from the fp32 master copy,
+    frozen ones from their compute copy (as fp32), buffers as they are. In
+    delayed mode the queued update is applied first."""
+    eng = engine_of(model)
+    opt = getattr(eng, "optimizer", None)
+    if opt is not None:
+        opt.flush()
+    eng.drain_grads()
+    out: Dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        hit = eng.param_slot.get(id(value))
+        if hit is None:
+            out[key] = value.detach().to("cpu", copy=True)
+            continue
+        u, i = hit
+        s = u.layout.slots[i]
+        sl = slice(s.offset, s.offset + s.numel)
+        if s.trainable:
+            t = u.master[sl]
+        elif u.host_compute is not None:
+            t = u.host_compute[sl]
+        else:
+            t = u.dev_compute[sl]
+        out[key] = t.detach().to("cpu", torch.float32, copy=True).view(s.shape)
+    return out

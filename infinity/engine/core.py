@@ -1,0 +1,525 @@
+"""The offload engine: placement of every unit's buffers, residency on the
+device tier (fetch, prefetch, eviction), and the gradients' way out.
+
+Policy lives in small methods (``_victim`` picks what to evict, ``_prefetch``
+what to bring early); moving bytes is the mover's job (mover.py); budgets are
+the tiers' (tiers.py); legal states are state.py's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..config import Config, format_bytes
+from .mover import Ticket, done_ticket, make_mover
+from .state import DeviceState, GradState, transition
+from .stats import Stats, Timer
+from .tiers import BudgetError, DeviceTier, HostTier
+from .trace import NEVER, Trace
+from .units import Layout, Unit, partition
+
+__all__ = ["Engine"]
+
+_POOL_ALIGN = 4096
+
+
+def _nbytes(numel: int, dtype: torch.dtype) -> int:
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def _round_pool(nbytes: int) -> int:
+    return max(_POOL_ALIGN, -(-nbytes // _POOL_ALIGN) * _POOL_ALIGN)
+
+
+class Engine:
+    """Owns the units of one model and every byte of their state."""
+
+    def __init__(self, model: nn.Module, config: Config, group_of: Dict[int, int]):
+        self.model = model
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = config.torch_dtype
+        self.stats = Stats()
+        self.trace = Trace()
+        self.mover = make_mover(self.device)
+        self.host_optimizer = config.offload_optimizer != "none"
+        self.params_on_device = config.offload_params == "none"
+        self._lru_clock = 0
+        self._pass_pins: List[Unit] = []     # units pinned until the end of the current pass
+        self._in_pass = False
+        self._pass_grad = False
+        self._internal = 0                   # >0 while the engine itself touches parameters
+        self.micro_batches = 0               # backward passes since the last step
+        self._grad_bytes_outstanding: List[Tuple[Ticket, int]] = []
+        self._closed = False
+        self.units = self._build_units(model, config, group_of)
+        self.param_slot: Dict[int, Tuple[Unit, int]] = {}
+        for u in self.units:
+            for i, s in enumerate(u.layout.slots):
+                self.param_slot[id(s.param)] = (u, i)
+        self._place(model)
+
+    # ------------------------------------------------------------------ building
+
+    def _build_units(self, model: nn.Module, config: Config, group_of: Dict[int, int]) -> List[Unit]:
+        owners: Dict[int, List[str]] = {}
+        params: Dict[int, nn.Parameter] = {}
+        for mod_name, mod in model.named_modules(remove_duplicate=False):
+            for pname, p in mod.named_parameters(prefix=mod_name, recurse=False):
+                owners.setdefault(id(p), []).append(pname)
+                params[id(p)] = p
+        unit_mods = partition(model, config.unit_classes)
+        assigned: Dict[int, int] = {}
+        per_unit: List[List[Tuple[str, nn.Parameter]]] = [[] for _ in unit_mods]
+        for ui, (uname, umod) in enumerate(unit_mods):
+            for pname, p in umod.named_parameters(prefix=uname):
+                if id(p) in assigned:
+                    continue
+                # A parameter shared with modules outside this unit (tied
+                # weights) lives in the root unit, which is resident whenever
+                # any unit computes.
+                prefix = uname + "."
+                if any(not o.startswith(prefix) for o in owners[id(p)]):
+                    continue
+                assigned[id(p)] = ui
+                per_unit[ui].append((pname, p))
+        root: List[Tuple[str, nn.Parameter]] = []
+        for pid, p in params.items():
+            if pid not in assigned:
+                root.append((owners[pid][0], p))
+        units: List[Unit] = []
+        root_unit = Unit(0, "<root>", [model], Layout(root, group_of), is_root=True)
+        units.append(root_unit)
+        for ui, (uname, umod) in enumerate(unit_mods):
+            if not per_unit[ui]:
+                continue
+            units.append(Unit(len(units), uname, [umod], Layout(per_unit[ui], group_of), is_root=False))
+        return units
+
+    def _compute_bytes(self, u: Unit) -> int:
+        return _nbytes(u.compute_numel, self.dtype)
+
+    def device_need(self) -> Dict[str, int]:
+        """Bytes the device tier needs: minimum (for the budget check) and everything resident."""
+        depth = self.config.prefetch_depth
+        root = self.units[0]
+        others = sorted((self._compute_bytes(u) for u in self.units[1:]), reverse=True)
+        grad_reserve = max([_nbytes(u.trainable_numel, self.dtype) for u in self.units] + [0])
+        opt_fixed = 0
+        if not self.host_optimizer:
+            opt_fixed = sum(4 * _nbytes(u.trainable_numel, torch.float32) for u in self.units)
+        all_compute = sum(self._compute_bytes(u) for u in self.units)
+        if self.params_on_device:
+            arena_min = all_compute
+        else:
+            # The root, the unit computing, and `depth` prefetched units; one
+            # more for a backward pin held across a recomputation.
+            arena_min = self._compute_bytes(root) + sum(others[:depth + 1])
+        return {"arena_min": arena_min, "all_compute": all_compute, "grad_reserve": grad_reserve,
+                "opt_fixed": opt_fixed, "largest_unit": others[0] if others else 0}
+
+    def _place(self, model: nn.Module) -> None:
+        cfg = self.config
+        need = self.device_need()
+        budget = cfg.device_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.9)
+            else:
+                budget = need["all_compute"] + need["grad_reserve"] + need["opt_fixed"] + 4096 * len(self.units)
+        minimum = need["arena_min"] + need["grad_reserve"] + need["opt_fixed"] + 512 * len(self.units)
+        if budget < minimum:
+            biggest = max(self.units[1:], key=self._compute_bytes, default=self.units[0])
+            raise BudgetError(
+                f"device_memory={budget} bytes ({format_bytes(budget)}) is too small: it needs at least "
+                f"{minimum} bytes ({format_bytes(minimum)}): the root unit ({self._compute_bytes(self.units[0])} "
+                f"bytes), the largest unit {biggest.name!r} ({self._compute_bytes(biggest)} bytes) and "
+                f"prefetch_depth={cfg.prefetch_depth} more units of up to that size, "
+                f"{need['grad_reserve']} bytes for gradients in flight"
+                + (f" and {need['opt_fixed']} bytes of optimizer state on the device" if need["opt_fixed"] else "")
+                + ". Raise device_memory, lower prefetch_depth, or split the model into smaller units "
+                  "(Config.unit_classes)")
+        arena = min(budget - need["grad_reserve"] - need["opt_fixed"],
+                    need["all_compute"] + 512 * len(self.units))
+        self.device_tier = DeviceTier(self.device, budget, arena, need["grad_reserve"], need["opt_fixed"])
+        self.device_budget = budget
+
+        # Host buffers: compute home (unless on device and optimizer on device),
+        # optimizer state when the optimizer runs on the host, second buffers
+        # for the delayed update.
+        delayed = cfg.overlap == "delayed"
+        host_need = 0
+        for u in self.units:
+            cb = _round_pool(self._compute_bytes(u))
+            tb = _round_pool(_nbytes(u.trainable_numel, torch.float32)) if u.trainable_numel else 0
+            if self._has_host_compute():
+                host_need += cb * (2 if delayed else 1)
+            if self.host_optimizer and u.trainable_numel:
+                host_need += tb * (5 if delayed else 4)
+        host_budget = cfg.host_memory
+        if host_budget is None:
+            host_budget = int(_available_ram() * 0.8)
+        self.host_tier = HostTier(host_need, host_budget, pin=self.device.type == "cuda")
+        self.host_budget = host_budget
+
+        with torch.no_grad():
+            for u in self.units:
+                self._init_unit_buffers(u)
+            # Buffers (non-parameter state) go to the device; floating ones take
+            # the compute dtype, as model.to(dtype) would do.
+            for mod in model.modules():
+                for name, b in list(mod._buffers.items()):
+                    if b is None:
+                        continue
+                    nb = b.to(self.device)
+                    if nb.is_floating_point():
+                        nb = nb.to(self.dtype)
+                    mod._buffers[name] = nb
+
+    def _has_host_compute(self) -> bool:
+        return not self.params_on_device or self.host_optimizer
+
+    def _init_unit_buffers(self, u: Unit) -> None:
+        host = self.host_tier
+        n, tn = u.compute_numel, u.trainable_numel
+        if self._has_host_compute():
+            u.host_compute = host.alloc(n, self.dtype)
+        if tn:
+            if self.host_optimizer:
+                u.master = host.alloc(tn, torch.float32)
+                u.exp_avg = host.alloc(tn, torch.float32)
+                u.exp_avg_sq = host.alloc(tn, torch.float32)
+                u.grad = host.alloc(tn, torch.float32)
+                if self.config.overlap == "delayed":
+                    u.next_grad = host.alloc(tn, torch.float32)
+            else:
+                mk = lambda: torch.zeros(tn, dtype=torch.float32, device=self.device)  # noqa: E731
+                u.master, u.exp_avg, u.exp_avg_sq, u.grad = mk(), mk(), mk(), mk()
+        originals = [s.param.detach().reshape(-1) for s in u.layout.slots]
+        for s, src in zip(u.layout.slots, originals):
+            if s.trainable:
+                u.master[s.offset:s.offset + s.numel].copy_(src)
+            if u.host_compute is not None:
+                u.host_compute[s.offset:s.offset + s.numel].copy_(src)
+        if self.config.overlap == "delayed" and u.host_compute is not None:
+            u.next_compute = self.host_tier.alloc(n, self.dtype)
+            u.next_compute.copy_(u.host_compute)
+        if self.params_on_device:
+            # Lives on the device for good: written once here, refreshed after
+            # each optimizer step.
+            off = self._alloc_range(u, allow_evict=False)
+            if off is None:
+                raise BudgetError(f"device tier: no room for unit {u.name!r} ({self._compute_bytes(u)} bytes) "
+                                  "with offload_params='none'")
+            u.device_state = transition(u.name, "device", u.device_state, DeviceState.FETCHING)
+            u.dev_range = off
+            u.dev_compute = self.device_tier.view(off, n, self.dtype)
+            u.dev_compute.zero_()
+            for s, src in zip(u.layout.slots, originals):
+                u.dev_compute[s.offset:s.offset + s.numel].copy_(src)
+            u.device_state = transition(u.name, "device", u.device_state, DeviceState.RESIDENT)
+            u.permanent = True
+            self._attach_params(u)
+        else:
+            # Until fetched, a NaN stand-in of the right shape (see _standin).
+            self._detach_params(u)
+        for s in u.layout.slots:
+            s.param.requires_grad_(s.trainable)
+
+    # ------------------------------------------------------------------ residency
+
+    def _standin(self, s) -> torch.Tensor:
+        # Right shape and numel (user code may count parameters), one element
+        # of storage, NaN: a parameter read while its unit is not resident
+        # poisons the result instead of silently computing with zeros.
+        return torch.full((1,), float("nan"), dtype=self.dtype, device=self.device).expand(s.shape)
+
+    def _attach_params(self, u: Unit) -> None:
+        dev = u.dev_compute
+        for s in u.layout.slots:
+            s.param.data = dev[s.offset:s.offset + s.numel].view(s.shape)
+
+    def _detach_params(self, u: Unit) -> None:
+        for s in u.layout.slots:
+            s.param.data = self._standin(s)
+
+    def _alloc_range(self, u: Unit, allow_evict: bool = True, protect_before: float = NEVER) -> Optional[int]:
+        nbytes = self._compute_bytes(u)
+        while True:
+            off = self.device_tier.try_alloc(nbytes)
+            if off is not None:
+                return off
+            if not allow_evict:
+                return None
+            victim = self._victim(protect_before)
+            if victim is None:
+                return None
+            self._evict(victim)
+
+    def _victim(self, protect_before: float = NEVER) -> Optional[Unit]:
+        """Policy: the evictable unit whose next use is furthest away (Belady on
+        the trace); least recently used without a trace. Units needed before
+        ``protect_before`` (a trace index) are not candidates."""
+        best, best_key = None, None
+        for u in self.units:
+            if u.device_state is DeviceState.ABSENT or u.pins > 0 or u.permanent:
+                continue
+            nu = self.trace.next_use(u.index)
+            if nu <= protect_before and protect_before != NEVER:
+                continue
+            key = (nu, -u.last_used)
+            if best_key is None or key > best_key:
+                best, best_key = u, key
+        return best
+
+    def _begin_fetch(self, u: Unit, off: int) -> None:
+        u.device_state = transition(u.name, "device", u.device_state, DeviceState.FETCHING)
+        u.dev_range = off
+        u.dev_compute = self.device_tier.view(off, u.compute_numel, self.dtype)
+        u.fetch_ticket = self.mover.h2d(u.dev_compute, u.host_compute)
+        self.stats.moved("h2d", self._compute_bytes(u))
+        self._internal += 1
+        try:
+            self._attach_params(u)
+        finally:
+            self._internal -= 1
+
+    def _wait_fetch(self, u: Unit) -> None:
+        if u.device_state is DeviceState.FETCHING:
+            t0 = time.perf_counter()
+            u.fetch_ticket.wait_compute()
+            self.stats.stall_seconds += time.perf_counter() - t0
+            u.fetch_ticket = None
+            u.device_state = transition(u.name, "device", u.device_state, DeviceState.RESIDENT)
+
+    def _evict(self, u: Unit) -> None:
+        assert u.pins == 0 and not u.permanent, u
+        if u.device_state is DeviceState.FETCHING:
+            u.fetch_ticket.wait()  # the copy still writes into the range
+            u.fetch_ticket = None
+        self._internal += 1
+        try:
+            self._detach_params(u)
+        finally:
+            self._internal -= 1
+        self.mover.release_marker()  # See [Note: device range reuse]
+        self.device_tier.free(u.dev_range)
+        u.dev_range, u.dev_compute = None, None
+        u.device_state = transition(u.name, "device", u.device_state, DeviceState.ABSENT)
+        self.stats.evictions += 1
+
+    def fetch(self, u: Unit) -> None:
+        """Makes ``u``'s compute copy usable by compute now, pinning it (caller unpins)."""
+        self.trace.use(u.index)
+        u.pins += 1
+        self._lru_clock += 1
+        u.last_used = self._lru_clock
+        if u.device_state is DeviceState.ABSENT:
+            off = self._alloc_range(u)
+            if off is None:
+                self._wait_all_fetches()
+                off = self._alloc_range(u)
+            if off is None:
+                u.pins -= 1
+                pinned = [f"{x.name} ({self._compute_bytes(x)} B)" for x in self.units
+                          if x.pins > 0 and x.device_state is not DeviceState.ABSENT]
+                raise BudgetError(f"device tier: cannot fit unit {u.name!r} ({self._compute_bytes(u)} bytes): "
+                                  f"{self.device_tier.arena_free_bytes} of {self.device_tier.arena_bytes} arena "
+                                  f"bytes free and every resident unit is in use: {pinned}. Raise "
+                                  "device_memory or lower prefetch_depth")
+            self._begin_fetch(u, off)
+            self.stats.fetches += 1
+        self._prefetch()
+        self._wait_fetch(u)
+
+    def _wait_all_fetches(self) -> None:
+        for x in self.units:
+            if x.device_state is DeviceState.FETCHING and x.pins == 0:
+                self._evict(x)
+
+    def unpin(self, u: Unit) -> None:
+        u.pins -= 1
+        assert u.pins >= 0, u
+
+    def _prefetch(self) -> None:
+        """Policy: bring the next units of the trace up early, never evicting a
+        unit that is needed sooner than the one being prefetched."""
+        depth = self.config.prefetch_depth
+        if depth == 0 or not self.trace.has_trace or self.params_on_device:
+            return
+        cap = self.config.prefetch_bytes
+        ahead_bytes = 0
+        seen = set()
+        for idx in self.trace.upcoming(4 * depth + 4):
+            if len(seen) >= depth:
+                break
+            if idx in seen:
+                continue
+            seen.add(idx)
+            u = self.units[idx]
+            if u.device_state is not DeviceState.ABSENT:
+                continue
+            nb = self._compute_bytes(u)
+            if cap is not None and ahead_bytes + nb > cap:
+                break
+            off = self._alloc_range(u, protect_before=self.trace.next_use(idx))
+            if off is None:
+                break
+            self._begin_fetch(u, off)
+            ahead_bytes += nb
+            self.stats.prefetches += 1
+
+    def invalidate_device_copies(self) -> None:
+        """After an optimizer step changed the home copies: drop device copies
+        (they are fetched again when used) or, for units that live on the
+        device, copy the new values up and wait."""
+        tickets = []
+        for u in self.units:
+            if u.permanent:
+                if u.host_compute is not None:
+                    tickets.append(self.mover.h2d(u.dev_compute, u.host_compute))
+                    self.stats.moved("h2d", self._compute_bytes(u))
+            elif u.device_state is not DeviceState.ABSENT and u.pins == 0:
+                self._evict(u)
+        for t in tickets:
+            t.wait()
+
+    # ------------------------------------------------------------------ passes
+
+    def begin_pass(self, grad: bool) -> None:
+        """Root forward starts: a new pass (a forward and, with grad, its backward)."""
+        if self._in_pass:
+            self.end_pass()
+        self._in_pass = True
+        self._pass_grad = grad
+        self.trace.begin_pass("train" if grad else "infer")
+        self._pin_for_pass(self.units[0])
+        for u in self.units[1:]:
+            u.bwd_count = 0
+            if u.external:
+                self._pin_for_pass(u)
+        if grad:
+            for u in self.units:
+                u.grads_pending = len(u.layout.trainable_slots)
+
+    def _pin_for_pass(self, u: Unit) -> None:
+        self.fetch(u)
+        self._pass_pins.append(u)
+
+    def end_pass(self) -> None:
+        """The pass is over (end of backward, or of a no-grad forward): release its pins."""
+        if not self._in_pass:
+            return
+        for u in self._pass_pins:
+            self.unpin(u)
+        self._pass_pins = []
+        for u in self.units[1:]:
+            while u.bwd_count > 0:
+                u.bwd_count -= 1
+                self.unpin(u)
+        self._in_pass = False
+        self.trace.end_pass()
+        self.stats.trace_invalidations = self.trace.invalidations
+
+    def note_external_use(self, u: Unit) -> None:
+        """A parameter of ``u`` is used outside ``u``'s forward (found by the
+        recording pass's watcher): from now on ``u`` is resident for whole
+        passes, like the root unit."""
+        if not u.external:
+            u.external = True
+            warnings.warn(f"infinity: parameters of unit {u.name!r} are used outside its forward; the unit "
+                          "will stay on the device for whole forward/backward passes", RuntimeWarning,
+                          stacklevel=4)
+        if u not in self._pass_pins:
+            self._pin_for_pass(u)
+
+    # ------------------------------------------------------------------ gradients
+
+    def on_grad(self, u: Unit, ti: int, p: nn.Parameter) -> None:
+        """A parameter's gradient is complete for this backward: move it out of
+        the device into the unit's fp32 gradient buffer (added for gradient
+        accumulation) and free the device copy. ``ti`` indexes the unit's
+        trainable slots."""
+        g = p.grad
+        if g is None:
+            return
+        p.grad = None
+        s = u.layout.trainable_slots[ti]
+        dst = u.grad[s.offset:s.offset + s.numel]
+        accumulate = u.grad_written[ti]
+        u.grad_written[ti] = True
+        if u.grad_state is not GradState.ACCUMULATING:
+            u.grad_state = transition(u.name, "grad", u.grad_state, GradState.ACCUMULATING)
+        if self.host_optimizer:
+            nb = g.numel() * g.element_size()
+            self.device_tier.add_transient(nb)
+            t = self.mover.grad_out(dst, g, accumulate)
+            self.stats.moved("d2h", nb)
+            u.flush_tickets.append(t)
+            self._grad_bytes_outstanding.append((t, nb))
+            self._bound_transient()
+        else:
+            if accumulate:
+                dst.add_(g.reshape(-1))
+            else:
+                dst.copy_(g.reshape(-1))
+        u.grads_pending -= 1
+
+    def _bound_transient(self) -> None:
+        out = self._grad_bytes_outstanding
+        keep = []
+        for t, nb in out:
+            if t.done():
+                self.device_tier.sub_transient(nb)
+            else:
+                keep.append((t, nb))
+        # Backpressure: gradients waiting for their copy never exceed the
+        # reserve the budget set aside for them.
+        while keep and self.device_tier.transient_bytes > self.device_tier.transient_reserve:
+            t, nb = keep.pop(0)
+            t0 = time.perf_counter()
+            t.wait()
+            self.stats.stall_seconds += time.perf_counter() - t0
+            self.device_tier.sub_transient(nb)
+        self._grad_bytes_outstanding = keep
+
+    def wait_grads(self, u: Unit) -> None:
+        for t in u.flush_tickets:
+            t.wait()
+        u.flush_tickets = []
+
+    def drain_grads(self) -> None:
+        for u in self.units:
+            self.wait_grads(u)
+        for t, nb in self._grad_bytes_outstanding:
+            t.wait()
+            self.device_tier.sub_transient(nb)
+        self._grad_bytes_outstanding = []
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.mover.close()
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

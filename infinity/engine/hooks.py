@@ -1,0 +1,199 @@
+"""Hooks that tie the engine to a model's forward and backward.
+
+[Note: what each hook does]
+- root forward pre-hook: a pass begins (trace cursor reset); the root unit and
+  units used outside their own forward are fetched and pinned for the pass.
+  In a recording pass a TorchFunctionMode watches for parameters used while
+  their unit is not in use (see ``_Watcher``).
+- unit forward pre-hook: fetch + pin the unit (waits for its prefetch; starts
+  the next prefetches). With grad, a multi-grad hook on the unit's inputs
+  (mode "all") marks the end of this call's backward.
+- unit forward hook: unpin. With grad, a multi-grad hook on the outputs
+  (mode "any") fires before the call's backward runs: fetch + pin again.
+- per-parameter post-accumulate-grad hook: the gradient leaves the device
+  (engine.on_grad); when a unit's last gradient arrived, the optimizer may
+  start on it (overlap="backward").
+- root output hook: at the start of backward, queues a callback that runs
+  when the whole backward is done: end of the pass, pins released.
+A module called twice simply yields two entries in the trace and two
+backward pins; a checkpointed module's recomputation is a fetch like any
+other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .core import Engine
+from .units import Unit
+
+__all__ = ["install_hooks"]
+
+# Functions that read metadata or register hooks, not parameter values.
+_METADATA = {"__get__", "__set__", "size", "dim", "numel", "requires_grad_", "register_hook",
+             "register_post_accumulate_grad_hook", "__repr__", "__format__", "data_ptr", "element_size",
+             "is_floating_point", "__hash__", "__eq__", "stride", "is_contiguous", "detach"}
+
+
+def _grad_tensors(obj: Any) -> List[torch.Tensor]:
+    leaves, _ = tree_flatten(obj)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class _Watcher(TorchFunctionMode):
+    """During a recording pass: finds parameters used while their unit is not
+    pinned (used outside the unit's forward), fetches that unit at once and
+    makes it resident for whole passes from then on."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = engine
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        eng = self.engine
+        if not eng._internal and getattr(func, "__name__", "") not in _METADATA:
+            for a in _params_in(args, kwargs):
+                hit = eng.param_slot.get(id(a))
+                if hit is not None and hit[0].pins == 0:
+                    eng.note_external_use(hit[0])
+        return func(*args, **kwargs)
+
+
+def _params_in(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, nn.Parameter):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, nn.Parameter):
+                    yield b
+
+
+class Hooks:
+    """Installed hooks of one engine (removable)."""
+
+    def __init__(self, engine: Engine, on_unit_grads: Callable[[Unit], None],
+                 on_backward_end: Callable[[], None]):
+        self.engine = engine
+        self.on_unit_grads = on_unit_grads
+        self.on_backward_end = on_backward_end
+        self.handles: List[Any] = []
+        self._watcher: Optional[_Watcher] = None
+        eng = engine
+        root = eng.model
+        self.handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
+        self.handles.append(root.register_forward_hook(self._root_post))
+        for u in eng.units[1:]:
+            for m in u.modules:
+                self.handles.append(m.register_forward_pre_hook(self._make_pre(u)))
+                self.handles.append(m.register_forward_hook(self._make_post(u)))
+        for u in eng.units:
+            for ti, s in enumerate(u.layout.trainable_slots):
+                self.handles.append(s.param.register_post_accumulate_grad_hook(self._make_grad_hook(u, ti)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    # -- root -----------------------------------------------------------------------
+
+    def _root_pre(self, module, args):
+        eng = self.engine
+        eng.begin_pass(torch.is_grad_enabled())
+        if not eng.trace.has_trace and self._watcher is None:
+            self._watcher = _Watcher(eng)
+            self._watcher.__enter__()
+        return None
+
+    def _root_post(self, module, args, output):
+        eng = self.engine
+        if self._watcher is not None:
+            w, self._watcher = self._watcher, None
+            w.__exit__(None, None, None)
+        outs = _grad_tensors(output)
+        if eng._pass_grad and outs:
+            fired = [False]
+
+            def at_backward_start(grads):
+                if not fired[0]:
+                    fired[0] = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+            torch.autograd.graph.register_multi_grad_hook(outs, at_backward_start, mode="any")
+        else:
+            eng.end_pass()
+        return None
+
+    def _backward_done(self) -> None:
+        eng = self.engine
+        eng.end_pass()
+        eng.micro_batches += 1
+        self.on_backward_end()
+
+    # -- units ------------------------------------------------------------------------
+
+    def _make_pre(self, u: Unit):
+        def pre(module, args):
+            eng = self.engine
+            eng._internal += 1
+            try:
+                eng.fetch(u)
+            finally:
+                eng._internal -= 1
+            if torch.is_grad_enabled():
+                ins = _grad_tensors(args)
+                if ins:
+                    torch.autograd.graph.register_multi_grad_hook(ins, lambda grads: self._post_backward(u),
+                                                                  mode="all")
+            return None
+        return pre
+
+    def _make_post(self, u: Unit):
+        def post(module, args, output):
+            eng = self.engine
+            eng.unpin(u)
+            if torch.is_grad_enabled():
+                outs = _grad_tensors(output)
+                if outs:
+                    torch.autograd.graph.register_multi_grad_hook(outs, lambda grads: self._pre_backward(u),
+                                                                  mode="any")
+            return None
+        return post
+
+    def _pre_backward(self, u: Unit) -> None:
+        eng = self.engine
+        eng._internal += 1
+        try:
+            eng.fetch(u)
+        finally:
+            eng._internal -= 1
+        u.bwd_count += 1
+
+    def _post_backward(self, u: Unit) -> None:
+        if u.bwd_count > 0:
+            u.bwd_count -= 1
+            self.engine.unpin(u)
+
+    def _make_grad_hook(self, u: Unit, ti: int):
+        def hook(p):
+            eng = self.engine
+            eng._internal += 1
+            try:
+                eng.on_grad(u, ti, p)
+            finally:
+                eng._internal -= 1
+            if u.grads_pending == 0:
+                self.on_unit_grads(u)
+        return hook
+
+
+def install_hooks(engine: Engine, on_unit_grads, on_backward_end) -> Hooks:
+    """Installs every hook of [Note: what each hook does]; returns the handle set."""
+    return Hooks(engine, on_unit_grads, on_backward_end)

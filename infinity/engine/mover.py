@@ -1,0 +1,211 @@
+"""Mechanism that moves bytes between tiers, asynchronously.
+
+Two implementations with one interface, so the engine has a single code path:
+
+- :class:`CpuMover` (``device="cpu"``): the "device" is RAM; copies run on two
+  worker threads (one per direction). ``Tensor.copy_`` releases the GIL, so
+  copies overlap with compute in the main thread.
+- :class:`CudaMover`: copies run on two dedicated CUDA streams from pinned
+  host memory; completion is a CUDA event. Compute waits with
+  ``stream.wait_event`` (no host synchronisation on the hot path).
+
+[Note: device range reuse]
+A device range freed by eviction may still be read by kernels queued on the
+compute stream. On CUDA, every eviction records an event on the compute
+stream (``release_marker``), and the next host-to-device copy makes the copy
+stream wait on the latest such event before writing, so it cannot overwrite
+bytes a queued kernel still reads. Evictions happen in compute order, so the
+latest event covers all earlier ones. On the CPU, compute is synchronous:
+when the hook evicts, the kernels that read the range have finished.
+
+[Note: gradient copies keep their source alive]
+A gradient leaves the device as soon as autograd has accumulated it. The job
+holds a reference to the gradient tensor until the copy is done (CPU), or
+``record_stream`` tells the caching allocator the copy stream uses it (CUDA),
+so the memory is not reused while the copy reads it.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["Ticket", "CpuMover", "CudaMover", "make_mover", "done_ticket"]
+
+
+class Ticket:
+    """Completion of one asynchronous transfer or job."""
+
+    def done(self) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Blocks the calling thread until complete; re-raises the job's error."""
+        raise NotImplementedError
+
+    def wait_compute(self) -> None:
+        """Makes compute wait for completion (CUDA: the current stream; CPU: the host)."""
+        self.wait()
+
+
+class _Done(Ticket):
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+done_ticket = _Done()
+
+
+class FutureTicket(Ticket):
+    __slots__ = ("fut",)
+
+    def __init__(self, fut: Future):
+        self.fut = fut
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def wait(self) -> None:
+        self.fut.result()
+
+
+class CudaTicket(Ticket):
+    __slots__ = ("event", "fut")
+
+    def __init__(self, event, fut: Optional[Future] = None):
+        self.event = event
+        self.fut = fut  # host-side follow-up job, if any
+
+    def done(self) -> bool:
+        return self.event.query() and (self.fut is None or self.fut.done())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+        if self.fut is not None:
+            self.fut.result()
+
+    def wait_compute(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+        if self.fut is not None:
+            self.fut.result()
+
+
+class CpuMover:
+    """Copies between RAM regions on worker threads (device="cpu")."""
+
+    is_cuda = False
+
+    def __init__(self) -> None:
+        self._h2d = ThreadPoolExecutor(1, thread_name_prefix="infinity-h2d")
+        self._d2h = ThreadPoolExecutor(1, thread_name_prefix="infinity-d2h")
+        self._host = ThreadPoolExecutor(1, thread_name_prefix="infinity-host")
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        """Copies host ``src`` into device ``dst`` (same numel)."""
+        return FutureTicket(self._h2d.submit(dst.copy_, src))
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        """Copies device ``src`` into host ``dst``."""
+        return FutureTicket(self._d2h.submit(dst.copy_, src))
+
+    def grad_out(self, host_dst: torch.Tensor, dev_grad: torch.Tensor, accumulate: bool) -> Ticket:
+        """Moves one gradient to the host: ``host_dst (+)= dev_grad`` (upcast to host_dst's dtype).
+
+        See [Note: gradient copies keep their source alive].
+        """
+        src = dev_grad.reshape(-1)
+        fn = host_dst.add_ if accumulate else host_dst.copy_
+        return FutureTicket(self._d2h.submit(fn, src))
+
+    def host_job(self, fn: Callable[[], None]) -> Ticket:
+        """Runs ``fn`` on the host worker thread (optimizer work)."""
+        return FutureTicket(self._host.submit(fn))
+
+    def release_marker(self) -> None:
+        """See [Note: device range reuse]: nothing to do on the CPU."""
+
+    def close(self) -> None:
+        for ex in (self._h2d, self._d2h, self._host):
+            ex.shutdown(wait=True)
+
+
+class CudaMover:
+    """Copies between pinned host memory and a CUDA device on dedicated streams."""
+
+    is_cuda = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._h2d_stream = torch.cuda.Stream(device)
+        self._d2h_stream = torch.cuda.Stream(device)
+        self._host = ThreadPoolExecutor(1, thread_name_prefix="infinity-host")
+        self._grad = ThreadPoolExecutor(1, thread_name_prefix="infinity-grad")
+        self._last_release = None
+        self._lock = threading.Lock()
+
+    def release_marker(self) -> None:
+        """Records an event on the compute stream at an eviction (see [Note: device range reuse])."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._last_release = ev
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        with torch.cuda.stream(self._h2d_stream):
+            if self._last_release is not None:
+                self._h2d_stream.wait_event(self._last_release)
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._h2d_stream)
+        return CudaTicket(ev)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._d2h_stream):
+            self._d2h_stream.wait_event(ready)
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(self._d2h_stream)
+            ev = torch.cuda.Event()
+            ev.record(self._d2h_stream)
+        return CudaTicket(ev)
+
+    def grad_out(self, host_dst: torch.Tensor, dev_grad: torch.Tensor, accumulate: bool) -> Ticket:
+        # Device -> pinned staging on the copy stream, then the fp32 upcast or
+        # accumulation on a host thread once the copy's event completes.
+        src = dev_grad.reshape(-1)
+        staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._d2h_stream):
+            self._d2h_stream.wait_event(ready)
+            staging.copy_(src, non_blocking=True)
+            src.record_stream(self._d2h_stream)  # See [Note: gradient copies keep their source alive]
+            ev = torch.cuda.Event()
+            ev.record(self._d2h_stream)
+
+        def finish() -> None:
+            ev.synchronize()
+            if accumulate:
+                host_dst.add_(staging)
+            else:
+                host_dst.copy_(staging)
+
+        return CudaTicket(ev, self._grad.submit(finish))
+
+    def host_job(self, fn: Callable[[], None]) -> Ticket:
+        return FutureTicket(self._host.submit(fn))
+
+    def close(self) -> None:
+        for ex in (self._host, self._grad):
+            ex.shutdown(wait=True)
+
+
+def make_mover(device: torch.device):
+    """The mover for ``device``."""
+    return CudaMover(device) if device.type == "cuda" else CpuMover()

@@ -1,0 +1,366 @@
+"""``InfinityOptimizer``: the optimizer ``infinity.initialize`` returns.
+
+A ``torch.optim.Optimizer`` whose ``param_groups`` hold the model's parameters
+(so torch LR schedulers work) but whose state lives in the units' flat fp32
+buffers: the update is the native CPU AdamW (``offload_optimizer="host"``) or
+the same maths on the device (``"none"``), one call per unit and param group.
+
+[Note: when the optimizer runs]
+- overlap="step": in ``step()``, unit by unit, after backward.
+- overlap="backward": a unit's update is queued on the host worker thread as
+  soon as its last gradient has left the device during the last backward of
+  the accumulation window (``Config.grad_accumulation_steps``). It reads only
+  host buffers and writes the master, the moments and the host compute copy;
+  the device copy that backward still reads is untouched until ``step()``
+  invalidates it. Clipping and fp16 overflow checks need every gradient
+  first, so with either the updates wait for ``step()``.
+- overlap="delayed": ``step()`` applies the update computed from the previous
+  step's gradients (swapping in the second compute buffer) and queues the
+  update of this step's gradients, which then runs during the next forward
+  and backward. The update applied at step t uses the gradients of step t-1.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..optim.functional import adamw_step_, check_hyperparameters
+from .core import Engine
+from .state import GradState, transition
+from .units import Unit
+
+__all__ = ["InfinityOptimizer"]
+
+
+class InfinityOptimizer(torch.optim.Optimizer):
+    """AdamW over the engine's units. Use like any torch optimizer:
+    ``step()``, ``zero_grad()``, LR schedulers on ``param_groups``.
+
+    fp16: multiply the loss by :meth:`scale_loss` before ``backward()``
+    (``optimizer.scale_loss(loss).backward()``); ``step()`` unscales, skips
+    the step on overflow and adjusts the scale (see :attr:`loss_scale`).
+    """
+
+    def __init__(self, engine: Engine, param_groups: List[dict], defaults: dict):
+        self.engine = engine
+        super().__init__(param_groups, defaults)
+        cfg = engine.config
+        self.overlap = cfg.overlap
+        self.max_grad_norm = cfg.max_grad_norm
+        self.fp16 = cfg.dtype == "fp16"
+        self.loss_scale = float(cfg.initial_loss_scale if cfg.loss_scale == "dynamic" else cfg.loss_scale) \
+            if self.fp16 else 1.0
+        self._dynamic = self.fp16 and cfg.loss_scale == "dynamic"
+        self._good_steps = 0
+        self._num_threads = cfg.num_threads
+        self._stepped_early: Dict[int, bool] = {}   # units updated during backward this step
+        self._pending: List = []                     # delayed mode: updates in flight
+        self._pending_units: List[Unit] = []
+        self._stat_lock = threading.Lock()
+        self.last_grad_norm: Optional[float] = None
+
+    # -- loss scaling -----------------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (1 unless dtype is fp16)."""
+        return loss * self.loss_scale if self.fp16 else loss
+
+    # -- hooks from the engine ------------------------------------------------------------
+
+    def _on_unit_grads(self, u: Unit) -> None:
+        eng = self.engine
+        if self.overlap != "backward" or self.max_grad_norm is not None or self.fp16:
+            return
+        if eng.micro_batches + 1 != eng.config.grad_accumulation_steps:
+            return  # not the last backward of the accumulation window
+        if u.index in self._stepped_early or u.opt_ticket is not None:
+            return
+        self._stepped_early[u.index] = True
+        grad, written = u.grad, list(u.grad_written)
+        out = u.host_compute if eng.host_optimizer else None
+
+        def job() -> None:
+            eng.wait_grads(u)
+            self._unit_step(u, grad, written, out, 1.0)
+
+        u.opt_ticket = eng.mover.host_job(job)
+
+    def _on_backward_end(self) -> None:
+        pass
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Updates every unit; returns when each unit's new compute copy is in
+        its home tier (delayed mode: when this step's update is queued)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, g in enumerate(self.param_groups):
+            lr = float(g["lr"])
+            check_hyperparameters(lr, g["betas"], g["eps"], g["weight_decay"])
+        eng = self.engine
+        if eng._in_pass and eng._pass_grad:
+            eng.end_pass()  # step() without a finished backward: release the pass
+        if self.overlap == "delayed":
+            self._step_delayed()
+        else:
+            self._step_now()
+        eng.micro_batches = 0
+        eng.stats.end_step_window()
+        return loss
+
+    def _global_scale(self, units_grads) -> Tuple[bool, float]:
+        """(skip, grad_scale): unscaling, clipping and the fp16 overflow check,
+        over all gradients. ``units_grads`` is a list of (unit, grad buffer, written)."""
+        inv = 1.0 / self.loss_scale if self.fp16 else 1.0
+        if self.max_grad_norm is None and not self.fp16:
+            return False, inv
+        sq = 0.0
+        for u, grad, written in units_grads:
+            for a, b in self._written_runs(u, written):
+                n = float(torch.linalg.vector_norm(grad[a:b], dtype=torch.float32))
+                sq += n * n
+        norm = math.sqrt(sq)
+        if not math.isfinite(norm):
+            self.last_grad_norm = norm
+            return True, inv
+        norm *= inv
+        self.last_grad_norm = norm
+        scale = inv
+        if self.max_grad_norm is not None:
+            coef = self.max_grad_norm / (norm + 1e-6)
+            scale *= min(coef, 1.0)
+        return False, scale
+
+    def _after_overflow_check(self, skip: bool) -> None:
+        if not self.fp16:
+            return
+        if skip:
+            self.engine.stats.skipped_steps += 1
+            self._good_steps = 0
+            if self._dynamic:
+                self.loss_scale = max(self.loss_scale / 2.0, float(self.engine.config.min_loss_scale))
+        else:
+            self._good_steps += 1
+            if self._dynamic and self._good_steps % self.engine.config.loss_scale_growth_interval == 0:
+                self.loss_scale *= 2.0
+
+    def _step_now(self) -> None:
+        eng = self.engine
+        t0 = time.perf_counter()
+        for u in eng.units:
+            if u.opt_ticket is not None:
+                u.opt_ticket.wait()
+                u.opt_ticket = None
+        eng.stats.optimizer_wait_seconds += time.perf_counter() - t0
+        eng.drain_grads()
+        todo = [u for u in eng.units if u.index not in self._stepped_early and u.trainable_numel]
+        skip, scale = self._global_scale([(u, u.grad, u.grad_written) for u in todo])
+        if skip and self._stepped_early:
+            raise RuntimeError("internal: overflow after early updates")  # early updates exclude fp16
+        self._after_overflow_check(skip)
+        if not skip:
+            for u in todo:
+                out = u.host_compute if eng.host_optimizer else None
+                self._unit_step(u, u.grad, list(u.grad_written), out, scale)
+            eng.stats.steps += 1
+        for u in eng.units:
+            self._consume(u)
+        self._stepped_early = {}
+        if not skip:
+            self._refresh_compute_copies()
+
+    def _refresh_compute_copies(self) -> None:
+        eng = self.engine
+        if not eng.host_optimizer:
+            # The optimizer ran on the device: write the new compute copies.
+            for u in eng.units:
+                tn = u.trainable_numel
+                if not tn:
+                    continue
+                if u.permanent:
+                    u.dev_compute[:tn].copy_(u.master)
+                else:
+                    t = eng.mover.d2h(u.host_compute[:tn], u.master.to(eng.dtype)) if eng.mover.is_cuda \
+                        else u.host_compute[:tn].copy_(u.master)
+                    if eng.mover.is_cuda:
+                        t.wait()
+        eng.invalidate_device_copies()
+
+    def _consume(self, u: Unit) -> None:
+        if u.grad_state is not GradState.CLEAN:
+            u.grad_state = transition(u.name, "grad", u.grad_state, GradState.CONSUMED)
+            u.grad_state = transition(u.name, "grad", u.grad_state, GradState.CLEAN)
+        u.grad_written = [False] * len(u.grad_written)
+
+    def _step_delayed(self) -> None:
+        eng = self.engine
+        t0 = time.perf_counter()
+        for t in self._pending:
+            t.wait()
+        eng.stats.optimizer_wait_seconds += time.perf_counter() - t0
+        if self._pending:
+            self._pending = []
+            for u in self._pending_units:
+                u.host_compute, u.next_compute = u.next_compute, u.host_compute
+            self._pending_units = []
+            eng.invalidate_device_copies()
+        eng.drain_grads()
+        work = []
+        for u in eng.units:
+            if not u.trainable_numel:
+                continue
+            grad, written = u.grad, list(u.grad_written)
+            u.grad, u.next_grad = u.next_grad, u.grad  # the next backward fills the other buffer
+            work.append((u, grad, written))
+        skip, scale = self._global_scale(work)
+        self._after_overflow_check(skip)
+        for u in eng.units:
+            self._consume(u)
+        if skip:
+            return
+        eng.stats.steps += 1
+        for u, grad, written in work:
+            out = u.next_compute
+
+            def job(u=u, grad=grad, written=written, out=out) -> None:
+                self._unit_step(u, grad, written, out, scale)
+
+            self._pending.append(eng.mover.host_job(job))
+            self._pending_units.append(u)
+
+    def flush(self) -> None:
+        """Delayed mode: wait for the queued update and apply it now (before
+        evaluation, checkpointing or the end of training). No-op otherwise."""
+        if self.overlap != "delayed" or not self._pending:
+            return
+        for t in self._pending:
+            t.wait()
+        self._pending = []
+        for u in self._pending_units:
+            u.host_compute, u.next_compute = u.next_compute, u.host_compute
+            # Keep the spare buffer equal, so the next update's frozen part is right.
+        self._pending_units = []
+        self.engine.invalidate_device_copies()
+
+    # -- one unit -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _written_runs(u: Unit, written: List[bool]) -> List[Tuple[int, int]]:
+        """Element ranges covering runs of consecutive trainable slots that got gradients."""
+        runs: List[Tuple[int, int]] = []
+        slots = u.layout.trainable_slots
+        start = None
+        for ti, s in enumerate(slots):
+            if written[ti]:
+                if start is None:
+                    start = s.offset
+                end = s.offset + s.numel
+            elif start is not None:
+                runs.append((start, end))
+                start = None
+        if start is not None:
+            runs.append((start, end))
+        return runs
+
+    def _unit_step(self, u: Unit, grad: torch.Tensor, written: List[bool], out: Optional[torch.Tensor],
+                   grad_scale: float) -> None:
+        """AdamW on one unit: one kernel call per (param group, step count) run
+        of consecutive slots that received gradients. Padding between slots is
+        zero in every buffer, so runs may span it."""
+        t0 = time.perf_counter()
+        slots = u.layout.trainable_slots
+        runs: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
+        key, cur = None, None
+        for ti, s in enumerate(slots):
+            k = (s.group, s.step) if written[ti] else None
+            if k is not None and k == key:
+                cur[1] = s.offset + s.numel
+                continue
+            if key is not None:
+                runs.setdefault(key, []).append((cur[0], cur[1]))
+            key = k
+            cur = [s.offset, s.offset + s.numel] if k is not None else None
+        if key is not None:
+            runs.setdefault(key, []).append((cur[0], cur[1]))
+        for (gi, step), ranges in runs.items():
+            g = self.param_groups[gi]
+            beta1, beta2 = g["betas"]
+            ps = [u.master[a:b] for a, b in ranges]
+            gs = [grad[a:b] for a, b in ranges]
+            ms = [u.exp_avg[a:b] for a, b in ranges]
+            vs = [u.exp_avg_sq[a:b] for a, b in ranges]
+            outs = [out[a:b] for a, b in ranges] if out is not None else None
+            if u.master.device.type == "cuda":
+                self._device_step(ps, gs, ms, vs, step + 1, g, grad_scale)
+            else:
+                adamw_step_(ps, gs, ms, vs, step=step + 1, lr=float(g["lr"]), beta1=float(beta1),
+                            beta2=float(beta2), eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
+                            adamw_mode=g.get("adamw_mode", True), grad_scale=grad_scale, outs=outs,
+                            num_threads=self._num_threads, validate=False)
+        for ti, s in enumerate(slots):
+            if written[ti]:
+                s.step += 1
+        with self._stat_lock:
+            self.engine.stats.optimizer_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _device_step(ps, gs, ms, vs, step, g, grad_scale) -> None:
+        """The same update on CUDA buffers with torch's fused AdamW."""
+        if grad_scale != 1.0:
+            torch._foreach_mul_(gs, grad_scale)
+        steps = [torch.tensor(float(step), device=ps[0].device) for _ in ps]
+        beta1, beta2 = g["betas"]
+        torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2),
+                            weight_decay=float(g["weight_decay"]), eps=float(g["eps"]), amsgrad=False,
+                            maximize=False) if g.get("adamw_mode", True) else \
+            torch._fused_adam_(ps, gs, ms, vs, [], steps, lr=float(g["lr"]), beta1=float(beta1),
+                               beta2=float(beta2), weight_decay=float(g["weight_decay"]), eps=float(g["eps"]),
+                               amsgrad=False, maximize=False)
+
+    # -- zero_grad, state ------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forgets accumulated gradients (the buffers are overwritten by the
+        next backward rather than zeroed)."""
+        eng = self.engine
+        eng.drain_grads()
+        for u in eng.units:
+            if u.opt_ticket is None:
+                self._consume(u)
+            for s in u.layout.slots:
+                s.param.grad = None
+
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW-format state (``step``, ``exp_avg``, ``exp_avg_sq``
+        per parameter, CPU fp32 copies) and param groups."""
+        self.flush()
+        index = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                index[id(p)] = len(index)
+        state = {}
+        for u in self.engine.units:
+            for s in u.layout.trainable_slots:
+                if s.step == 0:
+                    continue
+                sl = slice(s.offset, s.offset + s.numel)
+                state[index[id(s.param)]] = {
+                    "step": torch.tensor(float(s.step)),
+                    "exp_avg": u.exp_avg[sl].detach().to("cpu", copy=True).view(s.shape),
+                    "exp_avg_sq": u.exp_avg_sq[sl].detach().to("cpu", copy=True).view(s.shape),
+                }
+        groups = []
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = [index[id(p)] for p in g["params"]]
+            groups.append(d)
+        return {"state": state, "param_groups": groups}

@@ -1,0 +1,52 @@
+"""Counters of one engine: bytes moved, peaks, stalls, optimizer time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict
+
+
+@dataclass
+class Stats:
+    """Counters; :meth:`as_dict` is what ``infinity.stats(model)`` returns."""
+
+    bytes_moved: Dict[str, int] = field(default_factory=lambda: {"h2d": 0, "d2h": 0, "nvme_read": 0,
+                                                                  "nvme_write": 0})
+    step_bytes_moved: Dict[str, int] = field(default_factory=dict)  # of the last completed step
+    _step_start: Dict[str, int] = field(default_factory=dict)
+    stall_seconds: float = 0.0         # compute waiting for data (host-side wait time)
+    optimizer_seconds: float = 0.0     # time inside optimizer kernels, all units
+    optimizer_wait_seconds: float = 0.0  # time step() waited for optimizer work
+    fetches: int = 0
+    prefetches: int = 0
+    evictions: int = 0
+    steps: int = 0
+    skipped_steps: int = 0
+    trace_invalidations: int = 0
+
+    def moved(self, link: str, nbytes: int) -> None:
+        self.bytes_moved[link] = self.bytes_moved.get(link, 0) + nbytes
+
+    def begin_step_window(self) -> None:
+        self._step_start = dict(self.bytes_moved)
+
+    def end_step_window(self) -> None:
+        self.step_bytes_moved = {k: v - self._step_start.get(k, 0) for k, v in self.bytes_moved.items()}
+        self._step_start = dict(self.bytes_moved)
+
+
+class Timer:
+    """Adds elapsed seconds to an attribute of a Stats object."""
+
+    __slots__ = ("stats", "attr", "t0")
+
+    def __init__(self, stats: Stats, attr: str):
+        self.stats, self.attr = stats, attr
+
+    def __enter__(self) -> "Timer":
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.stats, self.attr, getattr(self.stats, self.attr) + time.perf_counter() - self.t0)

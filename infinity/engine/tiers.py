@@ -1,0 +1,151 @@
+"""Byte budgets of the device and host tiers, and the memory behind them.
+
+Mechanism only: these classes hand out and take back bytes under a hard
+budget and count peaks; which unit lives where is decided by the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from ..config import format_bytes
+from ..io.extent_allocator import ExtentAllocator
+
+__all__ = ["DeviceTier", "HostTier", "BudgetError"]
+
+DEVICE_ALIGN = 512  # bytes; device ranges start on 512-byte boundaries
+
+
+class BudgetError(MemoryError):
+    """A tier's budget cannot hold what is asked; the message names the bytes."""
+
+
+class DeviceTier:
+    """The device tier: one preallocated arena for compute copies plus counted
+    fixed bytes (device-resident optimizer state) and transient bytes
+    (gradients between autograd and their copy to the host).
+
+    ``budget_bytes`` bounds arena + fixed + transient at every moment. A
+    preallocated arena means no allocator calls (and, on the CPU, no page
+    faults) on the hot path, and the budget is exact.
+    """
+
+    def __init__(self, device: torch.device, budget_bytes: int, arena_bytes: int, transient_reserve: int,
+                 fixed_bytes: int = 0):
+        if arena_bytes + transient_reserve + fixed_bytes > budget_bytes:
+            raise BudgetError(f"device tier: arena {arena_bytes} + transient {transient_reserve} + fixed "
+                              f"{fixed_bytes} bytes exceed the budget of {budget_bytes} bytes")
+        self.device = device
+        self.budget_bytes = budget_bytes
+        arena_bytes = -(-arena_bytes // DEVICE_ALIGN) * DEVICE_ALIGN
+        self.arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device)
+        self._alloc = ExtentAllocator(arena_bytes, DEVICE_ALIGN)
+        self.transient_reserve = transient_reserve
+        self.fixed_bytes = fixed_bytes
+        self._transient = 0
+        self._lock = threading.Lock()
+        self.peak_bytes = fixed_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of model state on the device now (arena ranges + fixed + transient)."""
+        return self._alloc.used_bytes + self.fixed_bytes + self._transient
+
+    @property
+    def arena_bytes(self) -> int:
+        return self._alloc.capacity
+
+    @property
+    def arena_free_bytes(self) -> int:
+        return self._alloc.free_bytes
+
+    def round(self, nbytes: int) -> int:
+        return self._alloc.round(nbytes)
+
+    def _note_peak(self) -> None:
+        used = self.used_bytes
+        if used > self.peak_bytes:
+            self.peak_bytes = used
+
+    def try_alloc(self, nbytes: int) -> Optional[int]:
+        """Offset (bytes) of a new arena range, or None if no free range fits."""
+        off = self._alloc.alloc(nbytes)
+        if off is not None:
+            self._note_peak()
+        return off
+
+    def free(self, offset: int) -> None:
+        self._alloc.free(offset)
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The arena range at ``offset`` as a 1-D tensor of ``numel`` elements of ``dtype``."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.arena[offset:offset + nbytes].view(dtype)
+
+    def add_fixed(self, nbytes: int) -> None:
+        self.fixed_bytes += nbytes
+        self._note_peak()
+
+    def add_transient(self, nbytes: int) -> None:
+        with self._lock:
+            self._transient += nbytes
+            self._note_peak()
+
+    def sub_transient(self, nbytes: int) -> None:
+        with self._lock:
+            self._transient -= nbytes
+
+    @property
+    def transient_bytes(self) -> int:
+        return self._transient
+
+
+class HostTier:
+    """The host tier: every host buffer of the model state, carved from one
+    :class:`~infinity.io.HostPool` sized to exactly what the placement needs,
+    which must fit ``budget_bytes``. Page-locked when the device is CUDA."""
+
+    def __init__(self, need_bytes: int, budget_bytes: int, pin: bool):
+        if need_bytes > budget_bytes:
+            raise BudgetError(f"host tier: the model state placed on the host needs {need_bytes} bytes "
+                              f"({format_bytes(need_bytes)}), more than host_memory={budget_bytes} bytes "
+                              f"({format_bytes(budget_bytes)}); raise host_memory or offload to 'nvme'")
+        self.budget_bytes = budget_bytes
+        self.pool = None
+        self._buffers = []
+        if need_bytes > 0:
+            from ..io.host_pool import HostPool
+            self.pool = HostPool(need_bytes, pin="auto" if pin else "none")
+
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed 1-D host tensor of ``numel`` elements of ``dtype`` from the pool."""
+        assert self.pool is not None
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self.pool.acquire(max(nbytes, 1), block=False)
+        self._buffers.append(buf)
+        t = buf.view(torch.uint8)[:nbytes].view(dtype)
+        t.zero_()
+        return t
+
+    @property
+    def used_bytes(self) -> int:
+        return self.pool.used_bytes if self.pool is not None else 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.pool.peak_bytes if self.pool is not None else 0
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.pool is not None and self.pool.pinned)
+
+    def close(self) -> None:
+        for b in self._buffers:
+            b.release()
+        self._buffers = []
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
