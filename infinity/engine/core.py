@@ -460,12 +460,12 @@ class Engine:
             u.grad_state = transition(u.name, "grad", u.grad_state, GradState.ACCUMULATING)
         if self.host_optimizer:
             nb = g.numel() * g.element_size()
+            self._bound_transient(nb)
             self.device_tier.add_transient(nb)
             t = self.mover.grad_out(dst, g, accumulate)
             self.stats.moved("d2h", nb)
             u.flush_tickets.append(t)
             self._grad_bytes_outstanding.append((t, nb))
-            self._bound_transient()
         else:
             if accumulate:
                 dst.add_(g.reshape(-1))
@@ -473,7 +473,9 @@ class Engine:
                 dst.copy_(g.reshape(-1))
         u.grads_pending -= 1
 
-    def _bound_transient(self) -> None:
+    def _bound_transient(self, incoming: int) -> None:
+        """Backpressure: waits for the oldest gradient copies until ``incoming``
+        more bytes fit the reserve the budget set aside for gradients in flight."""
         out = self._grad_bytes_outstanding
         keep = []
         for t, nb in out:
@@ -481,9 +483,7 @@ class Engine:
                 self.device_tier.sub_transient(nb)
             else:
                 keep.append((t, nb))
-        # Backpressure: gradients waiting for their copy never exceed the
-        # reserve the budget set aside for them.
-        while keep and self.device_tier.transient_bytes > self.device_tier.transient_reserve:
+        while keep and self.device_tier.transient_bytes + incoming > self.device_tier.transient_reserve:
             t, nb = keep.pop(0)
             t0 = time.perf_counter()
             t.wait()

@@ -17,7 +17,7 @@
   when the whole backward is done: end of the pass, pins released.
 A module called twice simply yields two entries in the trace and two
 backward pins; a checkpointed module's recomputation is a fetch like any
-other.
+other, but takes no pin of its own (see ``_make_pre``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ __all__ = ["install_hooks"]
 _METADATA = {"__get__", "__set__", "size", "dim", "numel", "requires_grad_", "register_hook",
              "register_post_accumulate_grad_hook", "__repr__", "__format__", "data_ptr", "element_size",
              "is_floating_point", "__hash__", "__eq__", "stride", "is_contiguous", "detach"}
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _grad_tensors(obj: Any) -> List[torch.Tensor]:
@@ -145,6 +150,12 @@ class Hooks:
             eng._internal += 1
             try:
                 eng.fetch(u)
+                if _in_backward():
+                    # Recomputation (activation checkpointing) inside backward:
+                    # the backward pin protects the unit; a forward pin could
+                    # leak, since recomputation may stop before the forward
+                    # hook runs (non-reentrant checkpoint's early stop).
+                    eng.unpin(u)
             finally:
                 eng._internal -= 1
             if torch.is_grad_enabled():
@@ -158,7 +169,8 @@ class Hooks:
     def _make_post(self, u: Unit):
         def post(module, args, output):
             eng = self.engine
-            eng.unpin(u)
+            if not _in_backward():
+                eng.unpin(u)
             if torch.is_grad_enabled():
                 outs = _grad_tensors(output)
                 if outs:

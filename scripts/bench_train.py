@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""Offloaded training against in-memory training of the same model, in one run.
+
+A GPT-style model whose model state (fp32 weights, gradients, Adam moments:
+16 bytes a parameter) is several times the device budget is trained through
+infinity; the same model is trained in memory with torch.optim.AdamW
+(fused=True) on the same batches. Steps alternate (offloaded, in-memory,
+offloaded, ...) so drift in machine speed hits both alike.
+
+Reported:
+  step time and tokens/s of both; overhead ratio = offloaded / in-memory;
+  stall time (compute waiting for data), optimizer time, bytes moved per step;
+  lower bound = max(compute + optimizer, transfer), each measured in this run:
+    compute   forward+backward of the in-memory model (median)
+    optimizer infinity's CPU AdamW over all parameters (median)
+    transfer  bytes moved per step / copy bandwidth of the mover, measured
+  (on CUDA the bound is max(GPU compute, CPU optimizer, PCIe transfers));
+  overlap efficiency = lower bound / offloaded step time.
+Also steps a few budgets to show bytes moved per step falling as the budget grows.
+
+Usage: python scripts/bench_train.py [--layers 12 --embd 512 --steps 6 --budget-frac 0.33]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import infinity  # noqa: E402
+from infinity.models import GPT, GPTConfig  # noqa: E402
+from infinity.optim import adamw_step_  # noqa: E402
+
+
+def make_model(args) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                         n_embd=args.embd, tie_weights=True))
+
+
+def copy_bandwidth(nbytes: int, device: torch.device) -> float:
+    """Bytes/s of a host-to-device copy of ``nbytes`` as the mover does it (median of 5)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src, device=device)
+    ts = []
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(ts[1:])
+
+
+def optimizer_time(n: int, threads) -> float:
+    """Seconds of one CPU AdamW step over n parameters in flat buffers (median of 5)."""
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    v.abs_()
+    ts = []
+    for s in range(1, 7):
+        t0 = time.perf_counter()
+        adamw_step_([p], [g], [m], [v], step=s, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                    num_threads=threads)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[1:])
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    ref = make_model(args)
+    n_params = sum(p.numel() for p in ref.parameters())
+    compute_bytes = n_params * 4
+    model_state = n_params * 16
+    budget = int(compute_bytes * args.budget_frac)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen),
+             torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)) for _ in range(4)]
+
+    # In-memory baseline: plain torch, fused AdamW.
+    base = ref.to(device)
+    base_opt = torch.optim.AdamW(base.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+    model = make_model(args)
+    cfg = infinity.Config(device=args.device, dtype="fp32", device_memory=budget, host_memory=model_state * 2,
+                          offload_params="host", offload_optimizer="host", overlap=args.overlap,
+                          prefetch_depth=args.prefetch_depth)
+    model, opt = infinity.initialize(model, cfg, lr=1e-4, weight_decay=0.1)
+    print(f"model: {n_params / 1e6:.1f} M params, model state {model_state / 2**20:.0f} MiB, device budget "
+          f"{budget / 2**20:.0f} MiB ({model_state / budget:.1f}x smaller), {len(model.blocks)} blocks, "
+          f"batch {args.batch}x{args.seq}")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step_offload(x, y):
+        t0 = time.perf_counter()
+        loss = model(x.to(device), y.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync()
+        return time.perf_counter() - t0, loss.item()
+
+    def step_base(x, y):
+        t0 = time.perf_counter()
+        loss = base(x.to(device), y.to(device))
+        loss.backward()
+        t1 = time.perf_counter()
+        base_opt.step()
+        base_opt.zero_grad()
+        sync()
+        return time.perf_counter() - t0, t1 - t0
+
+    for i in range(2):  # warm-up: trace recording, allocator, page faults
+        step_offload(*data[i % 4])
+        step_base(*data[i % 4])
+    s0 = infinity.stats(model)
+    t_off, t_base, t_compute, stall0, optsec0 = [], [], [], s0["stall_seconds"], s0["optimizer_seconds"]
+    for i in range(args.steps):
+        x, y = data[i % 4]
+        a, _ = step_offload(x, y)
+        b, c = step_base(x, y)
+        t_off.append(a)
+        t_base.append(b)
+        t_compute.append(c)
+    s = infinity.stats(model)
+    moved = sum(s["step_bytes_moved"].values())
+    bw = copy_bandwidth(min(compute_bytes, 256 << 20), device)
+    t_opt = optimizer_time(n_params, cfg.num_threads)
+    compute = statistics.median(t_compute)
+    transfer = moved / bw
+    bound = max(compute + t_opt, transfer)
+    off, bas = statistics.median(t_off), statistics.median(t_base)
+    ratios = [a / b for a, b in zip(t_off, t_base)]
+    tokens = args.batch * args.seq
+    res = {
+        "params": n_params, "model_state_bytes": model_state, "device_budget_bytes": budget,
+        "offload_step_s": off, "inmemory_step_s": bas, "tokens_per_s_offload": tokens / off,
+        "tokens_per_s_inmemory": tokens / bas, "overhead_ratio": statistics.median(ratios),
+        "stall_s_per_step": (s["stall_seconds"] - stall0) / args.steps,
+        "optimizer_s_per_step": (s["optimizer_seconds"] - optsec0) / args.steps,
+        "bytes_moved_per_step": s["step_bytes_moved"], "copy_bandwidth_Bps": bw,
+        "lower_bound": {"compute_s": compute, "optimizer_s": t_opt, "transfer_s": transfer, "bound_s": bound},
+        "overlap_efficiency": bound / off, "peak_bytes": s["peak_bytes"], "overlap": args.overlap,
+        "steps": args.steps, "device": str(device),
+    }
+    print(f"{'':24s} {'offloaded':>10s} {'in-memory':>10s}")
+    print(f"{'step time (median, s)':24s} {off:10.3f} {bas:10.3f}")
+    print(f"{'tokens/s':24s} {tokens / off:10.0f} {tokens / bas:10.0f}")
+    print(f"overhead ratio (median of per-step ratios): {res['overhead_ratio']:.3f}")
+    print(f"stall {res['stall_s_per_step'] * 1e3:.1f} ms/step, optimizer {res['optimizer_s_per_step'] * 1e3:.1f} "
+          f"ms/step, moved {moved / 2**20:.1f} MiB/step {s['step_bytes_moved']}")
+    print(f"lower bound max(compute {compute:.3f} + optimizer {t_opt:.3f}, transfer {transfer:.3f} "
+          f"at {bw / 1e9:.1f} GB/s) = {bound:.3f} s; overlap efficiency {res['overlap_efficiency']:.3f}")
+    print(f"peak bytes: device {s['peak_bytes']['device'] / 2**20:.1f} MiB (budget {budget / 2**20:.1f}), "
+          f"host {s['peak_bytes']['host'] / 2**20:.1f} MiB")
+    return res
+
+
+def budget_sweep(args) -> list:
+    """Bytes moved per step for several device budgets (fractions of the compute copy)."""
+    rows = []
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    for frac in (0.25, 0.5, 0.75, 1.1):
+        model = make_model(args)
+        n = sum(p.numel() for p in model.parameters())
+        cfg = infinity.Config(device=args.device, dtype="fp32", device_memory=int(n * 4 * frac),
+                              host_memory=n * 40, prefetch_depth=args.prefetch_depth)
+        try:
+            model, opt = infinity.initialize(model, cfg, lr=1e-4)
+        except infinity.BudgetError as e:
+            print(f"  budget {frac:.2f} x compute copy: refused ({str(e)[:80]}...)")
+            continue
+        for _ in range(3):
+            model(x, x).backward()
+            opt.step()
+            opt.zero_grad()
+        s = infinity.stats(model)
+        rows.append({"budget_frac": frac, "budget_bytes": cfg.device_memory, "h2d_per_step": s["step_bytes_moved"]["h2d"],
+                     "peak_device": s["peak_bytes"]["device"]})
+        print(f"  budget {frac:.2f} x compute copy ({cfg.device_memory / 2**20:6.1f} MiB): "
+              f"h2d {s['step_bytes_moved']['h2d'] / 2**20:7.1f} MiB/step, peak {s['peak_bytes']['device'] / 2**20:6.1f} MiB")
+        del model, opt
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--embd", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--budget-frac", type=float, default=0.45,
+                    help="device budget as a fraction of the fp32 compute copy (model state is 4x that)")
+    ap.add_argument("--prefetch-depth", type=int, default=2)
+    ap.add_argument("--overlap", default="backward", choices=["step", "backward", "delayed"])
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--json", default="bench-results/bench_train.json")
+    args = ap.parse_args()
+    print(f"infinity {infinity.__version__}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"native {infinity.native.info()['simd']}")
+    res = run(args)
+    if not args.no_sweep:
+        print("bytes moved per step as the device budget grows:")
+        res["budget_sweep"] = budget_sweep(args)
+    print("\nTargets (host offload): overhead ratio <= 1.25: "
+          f"{'PASS' if res['overhead_ratio'] <= 1.25 else 'FAIL'} ({res['overhead_ratio']:.3f}); "
+          f"overlap efficiency >= 0.85: {'PASS' if res['overlap_efficiency'] >= 0.85 else 'FAIL'} "
+          f"({res['overlap_efficiency']:.3f})")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(f"JSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
