@@ -237,10 +237,13 @@ class Engine:
     # ------------------------------------------------------------------ residency
 
     def _standin(self, s) -> torch.Tensor:
-        # Right shape and numel (user code may count parameters), one element
-        # of storage, NaN: a parameter read while its unit is not resident
-        # poisons the result instead of silently computing with zeros.
-        return torch.full((1,), float("nan"), dtype=self.dtype, device=self.device).expand(s.shape)
+        # Right shape and numel (user code may count parameters), one shared
+        # element of storage, NaN: a parameter read while its unit is not
+        # resident poisons the result instead of silently computing with zeros.
+        nan = getattr(self, "_nan", None)
+        if nan is None:
+            nan = self._nan = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+        return nan.expand(s.shape)
 
     def _attach_params(self, u: Unit) -> None:
         dev = u.dev_compute
