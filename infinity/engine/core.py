@@ -171,8 +171,29 @@ class Engine:
         self.host_budget = host_budget
 
         with torch.no_grad():
-            for u in self.units:
-                self._init_unit_buffers(u)
+            if any(p.is_meta for u in self.units for p in (s.param for s in u.layout.slots)):
+                # Built under infinity.init: each unit is materialised on its
+                # own, straight into its home tier (see infinity/lazy_init.py).
+                from ..lazy_init import recorder_of
+                rec = recorder_of(model)
+                if rec is None:
+                    raise ValueError("initialize: the model has parameters on the meta device but was not built "
+                                     "under `with infinity.init(config):`; build it there or give real tensors")
+                done = set()
+
+                def sink(index: int, values: List[torch.Tensor]) -> None:
+                    if index in done:
+                        raise RuntimeError(f"lazy init: unit {self.units[index].name!r} materialised twice")
+                    done.add(index)
+                    self._init_unit_buffers(self.units[index], values)
+
+                rec.materialize([[s.param for s in u.layout.slots] for u in self.units], sink)
+                missing = [u.name for u in self.units if u.index not in done]
+                if missing:
+                    raise RuntimeError(f"lazy init: units never materialised: {missing}")
+            else:
+                for u in self.units:
+                    self._init_unit_buffers(u, [s.param.detach().reshape(-1) for s in u.layout.slots])
             # Buffers (non-parameter state) go to the device; floating ones take
             # the compute dtype, as model.to(dtype) would do.
             for mod in model.modules():
@@ -187,7 +208,10 @@ class Engine:
     def _has_host_compute(self) -> bool:
         return not self.params_on_device or self.host_optimizer
 
-    def _init_unit_buffers(self, u: Unit) -> None:
+    def _init_unit_buffers(self, u: Unit, originals: List[torch.Tensor]) -> None:
+        """Allocates ``u``'s buffers in their tiers and fills them from
+        ``originals`` (one tensor per slot, in slot order, any shape with the
+        slot's numel)."""
         host = self.host_tier
         n, tn = u.compute_numel, u.trainable_numel
         if self._has_host_compute():
@@ -203,8 +227,11 @@ class Engine:
             else:
                 mk = lambda: torch.zeros(tn, dtype=torch.float32, device=self.device)  # noqa: E731
                 u.master, u.exp_avg, u.exp_avg_sq, u.grad = mk(), mk(), mk(), mk()
-        originals = [s.param.detach().reshape(-1) for s in u.layout.slots]
+        originals = [t.detach().reshape(-1) for t in originals]
         for s, src in zip(u.layout.slots, originals):
+            if src.numel() != s.numel:
+                raise ValueError(f"unit {u.name!r}: value for {s.name!r} has {src.numel()} elements, "
+                                 f"expected {s.numel} (shape {tuple(s.shape)})")
             if s.trainable:
                 u.master[s.offset:s.offset + s.numel].copy_(src)
             if u.host_compute is not None:
@@ -233,6 +260,33 @@ class Engine:
             self._detach_params(u)
         for s in u.layout.slots:
             s.param.requires_grad_(s.trainable)
+
+    @torch.no_grad()
+    def write_unit_values(self, u: Unit, values: Dict[int, torch.Tensor]) -> None:
+        """Overwrites parameters of ``u`` (slot index -> tensor of the slot's
+        numel, any dtype) in every tier that holds them: fp32 master, compute
+        home, and the device copy if resident. Optimizer moments are left as
+        they are. Used by ``infinity.load_pretrained``."""
+        self.drain_grads()
+        for i, t in values.items():
+            s = u.layout.slots[i]
+            src = t.detach().reshape(-1)
+            if src.numel() != s.numel:
+                raise ValueError(f"{s.name}: {src.numel()} elements given, the parameter has {s.numel} "
+                                 f"(shape {tuple(s.shape)})")
+            sl = slice(s.offset, s.offset + s.numel)
+            if s.trainable and u.master is not None:
+                u.master[sl].copy_(src)
+            if u.host_compute is not None:
+                u.host_compute[sl].copy_(src)
+            if u.next_compute is not None:
+                u.next_compute[sl].copy_(src)
+            if u.dev_compute is not None and (u.permanent or u.host_compute is None):
+                u.dev_compute[sl].copy_(src)
+        if not u.permanent and u.device_state is not DeviceState.ABSENT:
+            if u.pins:
+                raise RuntimeError(f"write_unit_values: unit {u.name!r} is in use by a forward/backward")
+            self._evict(u)
 
     # ------------------------------------------------------------------ residency
 
