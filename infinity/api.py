@@ -14,7 +14,7 @@ from .engine.hooks import install_hooks
 from .engine.optimizer import InfinityOptimizer
 from .optim.functional import check_hyperparameters
 
-__all__ = ["initialize", "stats", "full_state_dict", "engine_of"]
+__all__ = ["initialize", "stats", "full_state_dict", "engine_of", "close"]
 
 # model -> its engine. Weak, so a dropped model frees its engine.
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, Engine]" = weakref.WeakKeyDictionary()
@@ -135,8 +135,10 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     if s.optimizer_seconds > 0 and eng.config.overlap != "step":
         hidden = max(0.0, 1.0 - s.optimizer_wait_seconds / s.optimizer_seconds)
     return {
-        "peak_bytes": {"device": eng.device_tier.peak_bytes, "host": eng.host_tier.peak_bytes, "nvme": 0},
-        "budget_bytes": {"device": eng.device_budget, "host": eng.host_budget, "nvme": None},
+        "peak_bytes": {"device": eng.device_tier.peak_bytes, "host": eng.host_tier.peak_bytes,
+                       "nvme": eng.nvme.peak_bytes if eng.nvme is not None else 0},
+        "budget_bytes": {"device": eng.device_budget, "host": eng.host_budget,
+                         "nvme": eng.nvme.capacity_bytes if eng.nvme is not None else None},
         "bytes_moved": dict(s.bytes_moved),
         "step_bytes_moved": dict(s.step_bytes_moved),
         "stall_seconds": s.stall_seconds,
@@ -167,6 +169,7 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
         opt.flush()
     eng.drain_grads()
     out: Dict[str, torch.Tensor] = {}
+    cache: dict = {}
     for key, value in model.state_dict(keep_vars=True).items():
         hit = eng.param_slot.get(id(value))
         if hit is None:
@@ -175,11 +178,17 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
         u, i = hit
         s = u.layout.slots[i]
         sl = slice(s.offset, s.offset + s.numel)
-        if s.trainable:
-            t = u.master[sl]
-        elif u.host_compute is not None:
-            t = u.host_compute[sl]
-        else:
-            t = u.dev_compute[sl]
+        if (u.index, s.trainable) not in cache:
+            cache = {(u.index, s.trainable): eng.read_kind(u, "master" if s.trainable else "compute")}
+        t = cache[(u.index, s.trainable)][sl]
         out[key] = t.detach().to("cpu", torch.float32, copy=True).view(s.shape)
     return out
+
+
+def close(model: nn.Module) -> None:
+    """Releases ``model``'s engine: stops its threads, removes its swap files.
+    The model cannot train after this."""
+    eng = _ENGINES.pop(model, None)
+    if eng is not None:
+        eng.hooks.remove()
+        eng.close()

@@ -193,8 +193,12 @@ class Config:
         if self.zero_stage != 0:
             raise ValueError(f"Config.zero_stage={self.zero_stage}: ZeRO stages 1-3 are not available yet "
                              "in this version; use zero_stage=0")
-        if "nvme" in (self.offload_params, self.offload_optimizer):
-            raise ValueError("Config: offload to 'nvme' is not available yet in this version; use 'host' or 'none'")
+        if self.overlap == "delayed" and "nvme" in (self.offload_params, self.offload_optimizer):
+            raise ValueError("Config.overlap='delayed' is not available with 'nvme' offload; use 'step' or "
+                             "'backward'")
+        if self.offload_optimizer == "none" and self.offload_params == "nvme":
+            raise ValueError("Config: offload_params='nvme' needs offload_optimizer='host' or 'nvme' (the "
+                             "optimizer writes the new compute copy on the host, from where it goes to NVMe)")
         if self.overlap == "delayed" and self.offload_optimizer == "none":
             raise ValueError("Config.overlap='delayed' needs offload_optimizer='host': the delayed update is "
                              "the CPU optimizer running beside the next step's compute")

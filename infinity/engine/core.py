@@ -9,6 +9,7 @@ the tiers' (tiers.py); legal states are state.py's.
 from __future__ import annotations
 
 import math
+import threading
 import time
 import warnings
 import weakref
@@ -18,7 +19,9 @@ import torch
 import torch.nn as nn
 
 from ..config import Config, format_bytes
+from ..io.errors import PoolExhausted
 from .mover import Ticket, done_ticket, make_mover
+from .nvme import NvmeTier, key as swap_key
 from .state import DeviceState, GradState, transition
 from .stats import Stats, Timer
 from .tiers import BudgetError, DeviceTier, HostTier
@@ -51,6 +54,11 @@ class Engine:
         self.mover = make_mover(self.device)
         self.host_optimizer = config.offload_optimizer != "none"
         self.params_on_device = config.offload_params == "none"
+        self.params_nvme = config.offload_params == "nvme"
+        self.opt_nvme = config.offload_optimizer == "nvme"
+        self.nvme = None
+        self._host_lock = threading.RLock()   # host cache state: main thread and optimizer thread
+        self._deferred: List[Tuple[object, object]] = []  # (I/O handle, host buffer) freed when done
         self._lru_clock = 0
         self._pass_pins: List[Unit] = []     # units pinned until the end of the current pass
         self._in_pass = False
@@ -152,23 +160,45 @@ class Engine:
         self.device_tier = DeviceTier(self.device, budget, arena, need["grad_reserve"], need["opt_fixed"])
         self.device_budget = budget
 
-        # Host buffers: compute home (unless on device and optimizer on device),
-        # optimizer state when the optimizer runs on the host, second buffers
-        # for the delayed update.
+        # Host buffers. Permanent: homes of host-resident state (compute copy,
+        # optimizer state, the delayed mode's second buffers). With NVMe homes
+        # the rest of the budget is the cache and the optimizer's pipeline
+        # (see [Note: NVMe homes and the host cache] in nvme.py).
         delayed = cfg.overlap == "delayed"
-        host_need = 0
+        perm, cache_all, largest_c, largest_t = 0, 0, 0, 0
+        nvme_need = 0
         for u in self.units:
             cb = _round_pool(self._compute_bytes(u))
             tb = _round_pool(_nbytes(u.trainable_numel, torch.float32)) if u.trainable_numel else 0
-            if self._has_host_compute():
-                host_need += cb * (2 if delayed else 1)
-            if self.host_optimizer and u.trainable_numel:
-                host_need += tb * (5 if delayed else 4)
+            largest_c, largest_t = max(largest_c, cb), max(largest_t, tb)
+            if self._compute_home_host():
+                perm += cb * (2 if delayed else 1)
+            if self.params_nvme:
+                cache_all += cb
+                nvme_need += cb
+            if self.host_optimizer and not self.opt_nvme and u.trainable_numel:
+                perm += tb * (5 if delayed else 4)
+            if self.opt_nvme and u.trainable_numel:
+                cache_all += 4 * tb
+                nvme_need += 4 * tb
         host_budget = cfg.host_memory
         if host_budget is None:
             host_budget = int(_available_ram() * 0.8)
-        self.host_tier = HostTier(host_need, host_budget, pin=self.device.type == "cuda")
+        minimum = perm
+        if self.params_nvme:
+            minimum += (cfg.prefetch_depth + 2) * largest_c + _round_pool(self._compute_bytes(self.units[0]))
+        if self.opt_nvme:
+            # Two units' master, moments and gradients in the pipeline, and
+            # the gradients of the unit whose backward is running.
+            minimum += 9 * largest_t + largest_c
+        capacity = perm + (cache_all + 9 * largest_t + largest_c if self.nvme_used else 0)
+        self.host_tier = HostTier(capacity, host_budget, pin=self.device.type == "cuda", need_bytes=minimum)
         self.host_budget = host_budget
+        if self.nvme_used:
+            keys = len(self.units) * 5
+            slack = 2 * 4096 * keys * len(cfg.swap_paths) + 64 * 4096
+            self.nvme = NvmeTier(cfg.swap_paths, nvme_need + slack, self.stats)
+            weakref.finalize(self, self.nvme.close)
 
         with torch.no_grad():
             if any(p.is_meta for u in self.units for p in (s.param for s in u.layout.slots)):
@@ -205,8 +235,15 @@ class Engine:
                         nb = nb.to(self.dtype)
                     mod._buffers[name] = nb
 
-    def _has_host_compute(self) -> bool:
-        return not self.params_on_device or self.host_optimizer
+    @property
+    def nvme_used(self) -> bool:
+        return self.params_nvme or self.opt_nvme
+
+    def _compute_home_host(self) -> bool:
+        """The compute copy has a permanent host buffer: its home (params on
+        the host), or the optimizer's copy-out target (params on the device,
+        optimizer on the host)."""
+        return self.config.offload_params == "host" or (self.params_on_device and self.host_optimizer)
 
     def _init_unit_buffers(self, u: Unit, originals: List[torch.Tensor]) -> None:
         """Allocates ``u``'s buffers in their tiers and fills them from
@@ -214,10 +251,12 @@ class Engine:
         slot's numel)."""
         host = self.host_tier
         n, tn = u.compute_numel, u.trainable_numel
-        if self._has_host_compute():
+        if self._compute_home_host():
             u.host_compute = host.alloc(n, self.dtype)
         if tn:
-            if self.host_optimizer:
+            if self.opt_nvme:
+                u.moments_fresh = True  # first step starts from zero moments: nothing to read
+            elif self.host_optimizer:
                 u.master = host.alloc(tn, torch.float32)
                 u.exp_avg = host.alloc(tn, torch.float32)
                 u.exp_avg_sq = host.alloc(tn, torch.float32)
@@ -232,10 +271,24 @@ class Engine:
             if src.numel() != s.numel:
                 raise ValueError(f"unit {u.name!r}: value for {s.name!r} has {src.numel()} elements, "
                                  f"expected {s.numel} (shape {tuple(s.shape)})")
-            if s.trainable:
+            if s.trainable and u.master is not None:
                 u.master[s.offset:s.offset + s.numel].copy_(src)
             if u.host_compute is not None:
                 u.host_compute[s.offset:s.offset + s.numel].copy_(src)
+        if self.opt_nvme and tn:
+            master, buf = self._host_acquire(tn, torch.float32, zero=True)
+            for s, src in zip(u.layout.slots, originals):
+                if s.trainable:
+                    master[s.offset:s.offset + s.numel].copy_(src)
+            self.nvme.write(swap_key(u.index, "master"), master).wait()
+            self.host_tier.release(buf)
+        if self.params_nvme:
+            comp, buf = self._host_acquire(n, self.dtype, zero=True)
+            for s, src in zip(u.layout.slots, originals):
+                comp[s.offset:s.offset + s.numel].copy_(src)
+            self.nvme.write(swap_key(u.index, "compute"), comp).wait()
+            with self._host_lock:
+                u.host_compute, u.host_buf = comp, buf  # stays cached while the budget has room
         if self.config.overlap == "delayed" and u.host_compute is not None:
             u.next_compute = self.host_tier.alloc(n, self.dtype)
             u.next_compute.copy_(u.host_compute)
@@ -268,6 +321,9 @@ class Engine:
         home, and the device copy if resident. Optimizer moments are left as
         they are. Used by ``infinity.load_pretrained``."""
         self.drain_grads()
+        if self.nvme_used:
+            self._write_unit_values_nvme(u, values)
+            return
         for i, t in values.items():
             s = u.layout.slots[i]
             src = t.detach().reshape(-1)
@@ -286,6 +342,30 @@ class Engine:
         if not u.permanent and u.device_state is not DeviceState.ABSENT:
             if u.pins:
                 raise RuntimeError(f"write_unit_values: unit {u.name!r} is in use by a forward/backward")
+            self._evict(u)
+
+    def _write_unit_values_nvme(self, u: Unit, values: Dict[int, torch.Tensor]) -> None:
+        master = self.read_kind(u, "master") if u.trainable_numel else None
+        comp = self.read_kind(u, "compute")
+        for i, t in values.items():
+            s = u.layout.slots[i]
+            src = t.detach().reshape(-1)
+            if src.numel() != s.numel:
+                raise ValueError(f"{s.name}: {src.numel()} elements given, the parameter has {s.numel} "
+                                 f"(shape {tuple(s.shape)})")
+            sl = slice(s.offset, s.offset + s.numel)
+            if s.trainable and master is not None:
+                master[sl].copy_(src)
+            if comp is not None:
+                comp[sl].copy_(src)
+        if self.opt_nvme and master is not None:
+            self.nvme.write(swap_key(u.index, "master"), master).wait()
+        if self.params_nvme:
+            with self._host_lock:
+                if u.host_busy is not None:
+                    u.host_busy.wait()
+                self.nvme.write(swap_key(u.index, "compute"), comp).wait()
+        if not u.permanent and u.device_state is not DeviceState.ABSENT:
             self._evict(u)
 
     # ------------------------------------------------------------------ residency
@@ -341,7 +421,13 @@ class Engine:
         u.device_state = transition(u.name, "device", u.device_state, DeviceState.FETCHING)
         u.dev_range = off
         u.dev_compute = self.device_tier.view(off, u.compute_numel, self.dtype)
-        u.fetch_ticket = self.mover.h2d(u.dev_compute, u.host_compute)
+        read = self._cache_load(u) if self.params_nvme else None
+        if read is not None:
+            dev, host = u.dev_compute, u.host_compute
+            u.fetch_ticket = self.mover.chain(read.wait, lambda: self.mover.h2d(dev, host))
+        else:
+            u.fetch_ticket = self.mover.h2d(u.dev_compute, u.host_compute)
+        u.host_busy = u.fetch_ticket
         self.stats.moved("h2d", self._compute_bytes(u))
         self._internal += 1
         try:
@@ -372,6 +458,80 @@ class Engine:
         u.dev_range, u.dev_compute = None, None
         u.device_state = transition(u.name, "device", u.device_state, DeviceState.ABSENT)
         self.stats.evictions += 1
+
+    # ------------------------------------------------------------------ host cache (NVMe homes)
+
+    def _release_deferred(self, block: bool) -> bool:
+        """Frees host buffers whose writes finished; with ``block``, waits for
+        the oldest if none has. Returns True if anything was freed."""
+        freed = False
+        keep = []
+        for h, buf in self._deferred:
+            if h.done():
+                h.wait()  # raises the write's error, if any
+                self.host_tier.release(buf)
+                freed = True
+            else:
+                keep.append((h, buf))
+        if not freed and block and keep:
+            h, buf = keep.pop(0)
+            h.wait()
+            self.host_tier.release(buf)
+            freed = True
+        self._deferred = keep
+        return freed
+
+    def defer_release(self, handle, buf) -> None:
+        """Frees ``buf`` once ``handle`` (a write from it) completes."""
+        with self._host_lock:
+            self._deferred.append((handle, buf))
+
+    def _evict_cached(self, protect: Optional[Unit]) -> bool:
+        """Drops the cached compute copy whose next use is furthest away (the
+        device tier's rule); never one a transfer still reads."""
+        best, best_key = None, None
+        for u in self.units:
+            if u is protect or u.host_compute is None or u.host_buf is None or u.host_locks:
+                continue
+            if u.host_busy is not None and not u.host_busy.done():
+                continue
+            k = (self.trace.next_use(u.index), -u.last_used)
+            if best_key is None or k > best_key:
+                best, best_key = u, k
+        if best is None:
+            return False
+        if best.host_write is not None:
+            best.host_write.wait()
+            best.host_write = None
+        self.host_tier.release(best.host_buf)
+        best.host_compute, best.host_buf, best.host_busy = None, None, None
+        return True
+
+    def _host_acquire(self, numel: int, dtype: torch.dtype, zero: bool = False, protect: Optional[Unit] = None):
+        """A transient host buffer under the host budget: frees finished
+        write-backs, then cached compute copies, then waits for write-backs."""
+        with self._host_lock:
+            while True:
+                try:
+                    return self.host_tier.acquire(numel, dtype, zero)
+                except PoolExhausted:
+                    if self._release_deferred(block=False) or self._evict_cached(protect) \
+                            or self._release_deferred(block=True):
+                        continue
+                    nbytes = _nbytes(numel, dtype)
+                    raise BudgetError(f"host tier: {nbytes} bytes needed, {self.host_tier.free_bytes} of "
+                                      f"{self.host_tier.pool.capacity_bytes} free and nothing left to evict; "
+                                      "raise host_memory or lower prefetch_depth") from None
+
+    def _cache_load(self, u: Unit):
+        """Makes sure ``u``'s compute copy has a host buffer; returns the NVMe
+        read filling it, or None if it was cached."""
+        with self._host_lock:
+            if u.host_compute is not None:
+                return None
+            comp, buf = self._host_acquire(u.compute_numel, self.dtype, protect=u)
+            u.host_compute, u.host_buf = comp, buf
+            return self.nvme.read(swap_key(u.index, "compute"), comp)
 
     def fetch(self, u: Unit) -> None:
         """Makes ``u``'s compute copy usable by compute now, pinning it (caller unpins)."""
@@ -510,6 +670,8 @@ class Engine:
             return
         p.grad = None
         s = u.layout.trainable_slots[ti]
+        if u.grad is None:  # gradients of an NVMe-homed optimizer state: a host buffer until the update
+            self.acquire_grad(u)
         dst = u.grad[s.offset:s.offset + s.numel]
         accumulate = u.grad_written[ti]
         u.grad_written[ti] = True
@@ -548,6 +710,132 @@ class Engine:
             self.device_tier.sub_transient(nb)
         self._grad_bytes_outstanding = keep
 
+    def acquire_grad(self, u: Unit, wait: bool = True):
+        """A host gradient buffer for ``u`` (NVMe optimizer state): zeroed, or
+        holding the gradients accumulated so far if they were spilled. Returns
+        the read in flight when ``wait`` is False."""
+        g, buf = self._host_acquire(u.trainable_numel, torch.float32, zero=not u.grad_on_nvme, protect=u)
+        u.grad, u.grad_buf = g, buf
+        if u.grad_on_nvme:
+            h = self.nvme.read(swap_key(u.index, "grad"), g)
+            if not wait:
+                return h
+            h.wait()
+        return None
+
+    def spill_grads(self, u: Unit) -> None:
+        """Writes ``u``'s gradients to NVMe and frees their host buffer
+        (NVMe optimizer state, when the update does not run during backward)."""
+        if u.grad is None or u.grad_claimed:
+            return
+        self.wait_grads(u)
+        h = self.nvme.write(swap_key(u.index, "grad"), u.grad)
+        self.defer_release(h, u.grad_buf)
+        u.grad, u.grad_buf, u.grad_on_nvme = None, None, True
+
+    def load_grad(self, u: Unit, wait: bool = True):
+        """Brings spilled gradients back to a host buffer (for the update or
+        the norm); returns the read in flight when ``wait`` is False."""
+        if u.grad is None and u.grad_on_nvme:
+            return self.acquire_grad(u, wait)
+        return None
+
+    def drop_loaded_grad(self, u: Unit) -> None:
+        """Frees a host copy of spilled gradients (they stay on NVMe)."""
+        if u.grad_buf is not None and u.grad_on_nvme and not u.grad_claimed:
+            self.host_tier.release(u.grad_buf)
+            u.grad, u.grad_buf = None, None
+
+    def release_grad(self, u: Unit) -> None:
+        if u.grad_buf is not None:
+            self.wait_grads(u)
+            self.host_tier.release(u.grad_buf)
+            u.grad, u.grad_buf = None, None
+        u.grad_on_nvme = False
+        u.grad_claimed = False
+
+    def opt_load(self, u: Unit):
+        """Starts reading ``u``'s master and moments from NVMe into host
+        buffers; returns the handles to wait on."""
+        tn = u.trainable_numel
+        handles = []
+        bufs = []
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            fresh = kind != "master" and u.moments_fresh
+            t, buf = self._host_acquire(tn, torch.float32, zero=fresh, protect=u)
+            setattr(u, kind, t)
+            bufs.append(buf)
+            if not fresh:
+                handles.append(self.nvme.read(swap_key(u.index, kind), t))
+        u.opt_bufs = bufs
+        return handles
+
+    def opt_out(self, u: Unit) -> torch.Tensor:
+        """The host buffer the update writes the new compute copy into."""
+        if not self.params_nvme:
+            return u.host_compute
+        with self._host_lock:
+            if u.host_compute is None or (u.host_busy is not None and not u.host_busy.done()):
+                if u.host_compute is None:
+                    read = self._cache_load(u)  # frozen parameters must be there too
+                    read.wait()
+                else:
+                    u.host_busy.wait()
+            if u.host_write is not None:
+                u.host_write.wait()
+                u.host_write = None
+            u.host_locks += 1
+            return u.host_compute
+
+    def opt_store(self, u: Unit) -> None:
+        """Writes ``u``'s updated state back to NVMe (asynchronously; buffers
+        are freed when the writes finish) and the new compute copy home."""
+        if self.opt_nvme:
+            for kind, buf in zip(("master", "exp_avg", "exp_avg_sq"), u.opt_bufs):
+                h = self.nvme.write(swap_key(u.index, kind), getattr(u, kind))
+                self.defer_release(h, buf)
+                setattr(u, kind, None)
+            u.opt_bufs = []
+            u.moments_fresh = False
+        if self.params_nvme:
+            with self._host_lock:
+                u.host_write = self.nvme.write(swap_key(u.index, "compute"), u.host_compute)
+                u.host_locks -= 1
+
+    def opt_store_unchanged(self, u: Unit) -> None:
+        """Frees the state buffers of a unit that got no gradient (nothing changed on NVMe)."""
+        for buf in u.opt_bufs:
+            self.host_tier.release(buf)
+        u.opt_bufs = []
+        u.master = u.exp_avg = u.exp_avg_sq = None
+        if u.moments_fresh:
+            pass  # still zero: nothing to write
+
+    @torch.no_grad()
+    def read_kind(self, u: Unit, kind: str) -> Optional[torch.Tensor]:
+        """``u``'s buffer of ``kind`` ("master", "exp_avg", "exp_avg_sq",
+        "compute") as a CPU tensor, from wherever it lives (a temporary copy
+        for NVMe homes); None if the unit has no such buffer."""
+        if kind == "compute":
+            t = u.host_compute if u.host_compute is not None else (u.dev_compute if u.permanent else None)
+            if t is not None:
+                return t
+            if self.params_nvme:
+                out = torch.empty(u.compute_numel, dtype=self.dtype)
+                self.nvme.read(swap_key(u.index, "compute"), out).wait()
+                return out
+            return None
+        t = getattr(u, kind)
+        if t is not None:
+            return t
+        if self.opt_nvme and u.trainable_numel:
+            if kind != "master" and u.moments_fresh:
+                return torch.zeros(u.trainable_numel)
+            out = torch.empty(u.trainable_numel, dtype=torch.float32)
+            self.nvme.read(swap_key(u.index, kind), out).wait()
+            return out
+        return None
+
     def wait_grads(self, u: Unit) -> None:
         for t in u.flush_tickets:
             t.wait()
@@ -564,10 +852,16 @@ class Engine:
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
+        """Stops the worker threads and removes the swap files (the model is unusable after)."""
         if self._closed:
             return
         self._closed = True
         self.mover.close()
+        if self.nvme is not None:
+            with self._host_lock:
+                for h, buf in self._deferred:
+                    h.wait()
+            self.nvme.close()
 
 
 def _available_ram() -> int:

@@ -96,6 +96,30 @@ class CudaTicket(Ticket):
             self.fut.result()
 
 
+class ChainTicket(Ticket):
+    """A wait on the host (e.g. an NVMe read) followed by a transfer that
+    starts only then; both run on the mover's chain thread."""
+
+    __slots__ = ("fut",)
+
+    def __init__(self, fut: Future):
+        self.fut = fut  # result: the inner Ticket
+
+    def done(self) -> bool:
+        return self.fut.done() and self.fut.result().done()
+
+    def wait(self) -> None:
+        self.fut.result().wait()
+
+    def wait_compute(self) -> None:
+        self.fut.result().wait_compute()
+
+
+def _chain(first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
+    first()
+    return then()
+
+
 class CpuMover:
     """Copies between RAM regions on worker threads (device="cpu")."""
 
@@ -105,6 +129,11 @@ class CpuMover:
         self._h2d = ThreadPoolExecutor(1, thread_name_prefix="infinity-h2d")
         self._d2h = ThreadPoolExecutor(1, thread_name_prefix="infinity-d2h")
         self._host = ThreadPoolExecutor(1, thread_name_prefix="infinity-host")
+        self._chain = ThreadPoolExecutor(1, thread_name_prefix="infinity-chain")
+
+    def chain(self, first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
+        """Runs ``first`` (a host-side wait, e.g. an NVMe read) then starts ``then``'s transfer."""
+        return ChainTicket(self._chain.submit(_chain, first, then))
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
         """Copies host ``src`` into device ``dst`` (same numel)."""
@@ -131,7 +160,7 @@ class CpuMover:
         """See [Note: device range reuse]: nothing to do on the CPU."""
 
     def close(self) -> None:
-        for ex in (self._h2d, self._d2h, self._host):
+        for ex in (self._chain, self._h2d, self._d2h, self._host):
             ex.shutdown(wait=True)
 
 
@@ -146,8 +175,13 @@ class CudaMover:
         self._d2h_stream = torch.cuda.Stream(device)
         self._host = ThreadPoolExecutor(1, thread_name_prefix="infinity-host")
         self._grad = ThreadPoolExecutor(1, thread_name_prefix="infinity-grad")
+        self._chain = ThreadPoolExecutor(1, thread_name_prefix="infinity-chain")
         self._last_release = None
         self._lock = threading.Lock()
+
+    def chain(self, first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
+        """Runs ``first`` (a host-side wait, e.g. an NVMe read) then issues ``then``'s copy."""
+        return ChainTicket(self._chain.submit(_chain, first, then))
 
     def release_marker(self) -> None:
         """Records an event on the compute stream at an eviction (see [Note: device range reuse])."""
@@ -202,7 +236,7 @@ class CudaMover:
         return FutureTicket(self._host.submit(fn))
 
     def close(self) -> None:
-        for ex in (self._host, self._grad):
+        for ex in (self._chain, self._host, self._grad):
             ex.shutdown(wait=True)
 
 

@@ -74,24 +74,40 @@ class InfinityOptimizer(torch.optim.Optimizer):
 
     def _on_unit_grads(self, u: Unit) -> None:
         eng = self.engine
-        if self.overlap != "backward" or self.max_grad_norm is not None or self.fp16:
-            return
-        if eng.micro_batches + 1 != eng.config.grad_accumulation_steps:
-            return  # not the last backward of the accumulation window
-        if u.index in self._stepped_early or u.opt_ticket is not None:
+        early = (self.overlap == "backward" and self.max_grad_norm is None and not self.fp16
+                 and eng.micro_batches + 1 == eng.config.grad_accumulation_steps
+                 and u.index not in self._stepped_early and u.opt_ticket is None)
+        if not early:
+            if eng.opt_nvme:
+                eng.spill_grads(u)  # bounded host memory until step()
             return
         self._stepped_early[u.index] = True
         grad, written = u.grad, list(u.grad_written)
-        out = u.host_compute if eng.host_optimizer else None
+        if eng.opt_nvme:
+            u.grad_claimed = True
 
-        def job() -> None:
-            eng.wait_grads(u)
-            self._unit_step(u, grad, written, out, 1.0)
+            def job() -> None:
+                eng.wait_grads(u)
+                for h in eng.opt_load(u):
+                    h.wait()
+                self._unit_step(u, grad, written, eng.opt_out(u), 1.0)
+                eng.opt_store(u)
+                eng.release_grad(u)
+        else:
+            out = u.host_compute if eng.host_optimizer else None
+
+            def job() -> None:
+                eng.wait_grads(u)
+                self._unit_step(u, grad, written, out, 1.0)
 
         u.opt_ticket = eng.mover.host_job(job)
 
     def _on_backward_end(self) -> None:
-        pass
+        eng = self.engine
+        if eng.opt_nvme:
+            for u in eng.units:  # units some of whose parameters got no gradient
+                if u.grad is not None and not u.grad_claimed:
+                    eng.spill_grads(u)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -124,10 +140,18 @@ class InfinityOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is None and not self.fp16:
             return False, inv
         sq = 0.0
+        eng = self.engine
         for u, grad, written in units_grads:
+            if grad is None and eng.opt_nvme:
+                eng.load_grad(u)  # spilled: read back for the norm (and dropped again)
+                grad = u.grad
+            if grad is None:
+                continue
             for a, b in self._written_runs(u, written):
                 n = float(torch.linalg.vector_norm(grad[a:b], dtype=torch.float32))
                 sq += n * n
+            if eng.opt_nvme:
+                eng.drop_loaded_grad(u)
         norm = math.sqrt(sq)
         if not math.isfinite(norm):
             self.last_grad_norm = norm
@@ -168,15 +192,40 @@ class InfinityOptimizer(torch.optim.Optimizer):
             raise RuntimeError("internal: overflow after early updates")  # early updates exclude fp16
         self._after_overflow_check(skip)
         if not skip:
-            for u in todo:
-                out = u.host_compute if eng.host_optimizer else None
-                self._unit_step(u, u.grad, list(u.grad_written), out, scale)
+            if eng.opt_nvme:
+                self._step_pipeline(todo, scale)
+            else:
+                for u in todo:
+                    out = u.host_compute if eng.host_optimizer else None
+                    self._unit_step(u, u.grad, list(u.grad_written), out, scale)
             eng.stats.steps += 1
         for u in eng.units:
             self._consume(u)
         self._stepped_early = {}
         if not skip:
             self._refresh_compute_copies()
+
+    def _step_pipeline(self, todo: List[Unit], scale: float) -> None:
+        """NVMe optimizer state: while unit i is updated, unit i+1's master,
+        moments and gradients are being read and unit i-1's are being written
+        (see [Note: NVMe homes and the host cache])."""
+        eng = self.engine
+
+        def load(u: Unit) -> list:
+            hs = [h for h in (eng.load_grad(u, wait=False),) if h is not None]
+            return hs + eng.opt_load(u)
+
+        pending = load(todo[0]) if todo else []
+        for i, u in enumerate(todo):
+            for h in pending:
+                h.wait()
+            pending = load(todo[i + 1]) if i + 1 < len(todo) else []
+            if u.grad is not None:
+                self._unit_step(u, u.grad, list(u.grad_written), eng.opt_out(u), scale)
+                eng.opt_store(u)
+            else:  # no gradient this step: put the untouched state back
+                eng.opt_store_unchanged(u)
+            eng.release_grad(u)
 
     def _refresh_compute_copies(self) -> None:
         eng = self.engine
@@ -196,6 +245,8 @@ class InfinityOptimizer(torch.optim.Optimizer):
         eng.invalidate_device_copies()
 
     def _consume(self, u: Unit) -> None:
+        if self.engine.opt_nvme:
+            self.engine.release_grad(u)
         if u.grad_state is not GradState.CLEAN:
             u.grad_state = transition(u.name, "grad", u.grad_state, GradState.CONSUMED)
             u.grad_state = transition(u.name, "grad", u.grad_state, GradState.CLEAN)
@@ -348,15 +399,19 @@ class InfinityOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 index[id(p)] = len(index)
         state = {}
-        for u in self.engine.units:
+        eng = self.engine
+        for u in eng.units:
+            if not any(s.step for s in u.layout.trainable_slots):
+                continue
+            m, v = eng.read_kind(u, "exp_avg"), eng.read_kind(u, "exp_avg_sq")
             for s in u.layout.trainable_slots:
                 if s.step == 0:
                     continue
                 sl = slice(s.offset, s.offset + s.numel)
                 state[index[id(s.param)]] = {
                     "step": torch.tensor(float(s.step)),
-                    "exp_avg": u.exp_avg[sl].detach().to("cpu", copy=True).view(s.shape),
-                    "exp_avg_sq": u.exp_avg_sq[sl].detach().to("cpu", copy=True).view(s.shape),
+                    "exp_avg": m[sl].detach().to("cpu", copy=True).view(s.shape),
+                    "exp_avg_sq": v[sl].detach().to("cpu", copy=True).view(s.shape),
                 }
         groups = []
         for g in self.param_groups:

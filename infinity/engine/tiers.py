@@ -105,30 +105,57 @@ class DeviceTier:
 
 class HostTier:
     """The host tier: every host buffer of the model state, carved from one
-    :class:`~infinity.io.HostPool` sized to exactly what the placement needs,
-    which must fit ``budget_bytes``. Page-locked when the device is CUDA."""
+    :class:`~infinity.io.HostPool` of ``capacity_bytes``, which must fit
+    ``budget_bytes``. Page-locked when the device is CUDA.
 
-    def __init__(self, need_bytes: int, budget_bytes: int, pin: bool):
-        if need_bytes > budget_bytes:
-            raise BudgetError(f"host tier: the model state placed on the host needs {need_bytes} bytes "
-                              f"({format_bytes(need_bytes)}), more than host_memory={budget_bytes} bytes "
+    Buffers are permanent (:meth:`alloc`: homes of host-resident state) or
+    transient (:meth:`acquire`/:meth:`release`: the NVMe tier's cache and
+    optimizer pipeline). ``need_bytes`` is what the placement needs at least;
+    more than the budget is refused with the bytes named.
+    """
+
+    def __init__(self, capacity_bytes: int, budget_bytes: int, pin: bool, need_bytes: Optional[int] = None):
+        need = capacity_bytes if need_bytes is None else need_bytes
+        if need > budget_bytes:
+            raise BudgetError(f"host tier: the model state placed on the host needs {need} bytes "
+                              f"({format_bytes(need)}), more than host_memory={budget_bytes} bytes "
                               f"({format_bytes(budget_bytes)}); raise host_memory or offload to 'nvme'")
         self.budget_bytes = budget_bytes
         self.pool = None
         self._buffers = []
-        if need_bytes > 0:
+        if capacity_bytes > 0:
             from ..io.host_pool import HostPool
-            self.pool = HostPool(need_bytes, pin="auto" if pin else "none")
+            self.pool = HostPool(min(capacity_bytes, budget_bytes), pin="auto" if pin else "none")
+
+    @staticmethod
+    def _nbytes(numel: int, dtype: torch.dtype) -> int:
+        return numel * torch.empty((), dtype=dtype).element_size()
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed 1-D host tensor of ``numel`` elements of ``dtype`` from the pool."""
-        assert self.pool is not None
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        buf = self.pool.acquire(max(nbytes, 1), block=False)
+        """A zeroed 1-D host tensor of ``numel`` elements of ``dtype``, kept for good."""
+        t, buf = self.acquire(numel, dtype, zero=True)
         self._buffers.append(buf)
-        t = buf.view(torch.uint8)[:nbytes].view(dtype)
-        t.zero_()
         return t
+
+    def acquire(self, numel: int, dtype: torch.dtype, zero: bool = False):
+        """(tensor, handle) of a transient buffer; raises PoolExhausted when the
+        budget has no room (the caller evicts and retries). Give the handle to
+        :meth:`release`."""
+        assert self.pool is not None
+        nbytes = self._nbytes(numel, dtype)
+        buf = self.pool.acquire(max(nbytes, 1), block=False)
+        t = buf.view(torch.uint8)[:nbytes].view(dtype)
+        if zero:
+            t.zero_()
+        return t, buf
+
+    @staticmethod
+    def release(buf) -> None:
+        buf.release()
+
+    @property
+    def free_bytes(self) -> int:
+        return self.pool.free_bytes if self.pool is not None else 0
 
     @property
     def used_bytes(self) -> int:

@@ -106,6 +106,16 @@ class Unit:
         self.permanent = False          # lives on the device for good (offload_params="none")
         self.last_used = 0              # LRU clock of the last fetch
         self.bwd_count = 0              # backward pins held (one per pending module call)
+        # NVMe homes (see [Note: NVMe homes and the host cache]):
+        self.host_buf = None            # pool handle of a cached compute copy (None: permanent or absent)
+        self.host_busy = None           # transfer reading host_compute (fetch ticket)
+        self.host_write = None          # write-back of host_compute to NVMe in flight
+        self.host_locks = 0             # optimizer writing host_compute now
+        self.grad_buf = None            # pool handle of an NVMe optimizer's gradient buffer
+        self.grad_on_nvme = False       # gradients of this step were spilled to NVMe
+        self.grad_claimed = False       # an update during backward owns the gradient buffer
+        self.moments_fresh = False      # NVMe moments not written yet: they are zero
+        self.opt_bufs: list = []
 
     @property
     def compute_numel(self) -> int:
