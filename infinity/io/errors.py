@@ -1,0 +1,70 @@
+"""Exceptions of :mod:`infinity.io`, and the fault-injection spec shared by both engines."""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+from typing import Optional, Tuple
+
+__all__ = ["SwapIOError", "ChecksumError", "SwapFullError", "StoreLockedError", "PoolExhausted",
+           "parse_fault_spec"]
+
+
+class SwapIOError(OSError):
+    """A read or write of swap data failed.
+
+    ``errno`` is the operating system's error number (``ENOSPC``, ``EIO``, ...);
+    the message names the path, the file offset, the byte count and the errno
+    text (and the key, when raised by :class:`~infinity.io.SwapStore`).
+    """
+
+
+class ChecksumError(SwapIOError):
+    """Data read back differs from what was written (CRC mismatch); the message
+    names the key, the path and the offset of the failing chunk."""
+
+
+class SwapFullError(SwapIOError):
+    """A swap path lacks the space asked for (bytes needed and free are named)."""
+
+
+class StoreLockedError(RuntimeError):
+    """Another :class:`~infinity.io.SwapStore` (this process or another) holds the directory."""
+
+
+class PoolExhausted(MemoryError):
+    """A :class:`~infinity.io.HostPool` cannot supply the bytes asked for within its budget."""
+
+
+# The environment variable that injects a fault into every engine created after it is set.
+FAULT_ENV = "INFINITY_IO_FAULT"
+
+_OPS = {"read": 0, "write": 1, "any": -1}
+
+
+def parse_fault_spec(spec: Optional[str] = None) -> Optional[Tuple[int, int, int]]:
+    """Parse ``INFINITY_IO_FAULT`` (or ``spec``): ``OP:NTH:ERR``.
+
+    OP is ``read``, ``write`` or ``any``; NTH the 1-based block number (counted
+    per engine) that fails; ERR an errno name (``ENOSPC``, ``EIO``), a number,
+    or ``short`` for a transfer cut in half (then completed by the retry path).
+    Returns ``(op, nth, err)`` with err 0 for ``short``, or None when unset.
+    """
+    spec = os.environ.get(FAULT_ENV) if spec is None else spec
+    if not spec:
+        return None
+    try:
+        op_s, nth_s, err_s = spec.split(":")
+        op = _OPS[op_s.strip().lower()]
+        nth = int(nth_s)
+        err_s = err_s.strip()
+        if err_s.lower() == "short":
+            err = 0
+        elif err_s.isdigit():
+            err = int(err_s)
+        else:
+            err = getattr(_errno, err_s.upper())
+    except (ValueError, KeyError, AttributeError):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected OP:NTH:ERR, e.g. write:3:ENOSPC, "
+                         "read:1:EIO or any:2:short") from None
+    return op, nth, err

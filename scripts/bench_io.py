@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Throughput of the SwapStore against the raw disk, measured in one run.
+
+For each round, every case runs once, in the same order (A B C ... A B C ...),
+so that slow drift of the disk (host caches, burst credits) hits all cases
+alike; figures are medians over rounds, and ratios compare the store with the
+best raw figure of the same run.
+
+Cases
+  raw/fio-*      fio with O_DIRECT, io_uring, deep queue (the disk's own figure);
+                 without fio, a Python O_DIRECT thread pool measured the same way.
+  store/*        SwapStore (native io_uring / native threads / Python fallback):
+                 'pool'  = from/into HostPool buffers (zero-copy, what the offload
+                           engine uses); 'plain' = ordinary torch tensors (staged
+                           through the store's pinned buffers).
+  aiofiles/*     aiofiles write+fsync and cold read (page cache dropped for the
+                 file), the reference system's fallback approach.
+Writes are measured into fresh (just preallocated, never written) extents and as
+overwrites; reads are O_DIRECT (or cold), so the page cache is not measured.
+
+Usage: python scripts/bench_io.py [--dir DIR] [--size-mib 1024] [--rounds 3] [--full]
+Writes under --dir (default ./infinity-swap/bench) and deletes its files at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from infinity.io import HostPool, SwapStore  # noqa: E402
+from infinity.io.engine import native_available  # noqa: E402
+
+MiB = 1 << 20
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# ---- raw baseline -----------------------------------------------------------------------
+
+
+def fio_run(path: str, rw: str, size: int, bs: int, depth: int, jobs: int = 1) -> float:
+    # jobs > 1: each job takes its own contiguous 1/jobs of the file.
+    part = size // jobs
+    cmd = ["fio", "--name=raw", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={depth}",
+           "--direct=1", "--ioengine=io_uring", f"--size={part}", f"--offset_increment={part}",
+           "--output-format=json", f"--numjobs={jobs}", "--group_reporting=1", "--end_fsync=0"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
+
+
+def pyraw_run(path: str, rw: str, size: int, bs: int, depth: int, jobs: int = 1) -> float:
+    """O_DIRECT thread pool of pread/pwrite into huge-page buffers, no checksums:
+    the best case of the engine's own method, measured like fio."""
+    from concurrent.futures import ThreadPoolExecutor
+    import mmap
+    bufs = [mmap.mmap(-1, bs) for _ in range(depth)]
+    for b in bufs:
+        b.madvise(mmap.MADV_HUGEPAGE)
+        b.write(bytes(bs))  # fault in
+    flags = os.O_RDWR | os.O_CREAT | os.O_DIRECT
+    fd = os.open(path, flags, 0o600)
+    if rw == "write" and os.fstat(fd).st_size < size:
+        os.posix_fallocate(fd, 0, size)
+    offs = list(range(0, size, bs))
+
+    def one(i):
+        b = bufs[i % depth]
+        if rw == "write":
+            os.pwrite(fd, b, offs[i])
+        else:
+            os.preadv(fd, [b], offs[i])
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(depth) as ex:
+        list(ex.map(one, range(len(offs))))
+    dt = time.perf_counter() - t
+    os.close(fd)
+    return gbps(size, dt)
+
+
+# ---- aiofiles ----------------------------------------------------------------------------
+
+
+def aiofiles_run(path: str, data: bytes, size: int, bs: int) -> tuple:
+    import aiofiles
+
+    async def write():
+        async with aiofiles.open(path, "r+b" if os.path.exists(path) else "wb") as f:
+            for off in range(0, size, bs):
+                await f.write(data)
+            await f.flush()
+            os.fsync(f.fileno())
+
+    async def read():
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold read: drop this file's cached pages
+        os.close(fd)
+        async with aiofiles.open(path, "rb") as f:
+            while await f.read(bs):
+                pass
+
+    t = time.perf_counter()
+    asyncio.run(write())
+    w = gbps(size, time.perf_counter() - t)
+    t = time.perf_counter()
+    asyncio.run(read())
+    r = gbps(size, time.perf_counter() - t)
+    return w, r
+
+
+# ---- store -----------------------------------------------------------------------------------
+
+
+def store_run(dirs, backend, bs, qd, size, pool_buf, plain) -> dict:
+    """One store life: fresh write, overwrite, read (pool), read and write (plain)."""
+    res = {}
+    with SwapStore(dirs, capacity_bytes=size + len(dirs) * 16 * MiB, backend=backend, block_size=bs,
+                   queue_depth=qd) as s:
+        for name, fn in [
+            ("write_fresh", lambda: s.write("k", pool_buf).wait()),
+            ("write_over", lambda: s.write("k", pool_buf).wait()),
+            ("read", lambda: s.read("k", pool_buf).wait()),
+            ("read_plain", lambda: s.read("k", plain).wait()),
+            ("write_plain", lambda: s.write("k", plain).wait()),
+        ]:
+            t = time.perf_counter()
+            fn()
+            res[name] = gbps(size, time.perf_counter() - t)
+        assert torch.equal(plain[:4096], pool_buf[:4096])
+        res["backend"] = s.backend
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="./infinity-swap/bench", help="scratch directory (deleted files at end)")
+    ap.add_argument("--size-mib", type=int, default=1024, help="bytes per transfer, MiB (1024-4096)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--full", action="store_true", help="sweep block sizes 1-16 MiB and queue depths 1-32")
+    ap.add_argument("--json", default=None, help="also write the JSON result to this file")
+    args = ap.parse_args()
+    size = args.size_mib * MiB
+    root = Path(args.dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    have_fio = shutil.which("fio") is not None
+    have_aio = True
+    try:
+        import aiofiles  # noqa: F401
+    except ImportError:
+        have_aio = False
+
+    native = native_available()
+    if args.full:
+        grid = [(bs * MiB, qd) for bs in (1, 4, 8, 16) for qd in (1, 4, 8, 32)]
+    else:
+        grid = [(1 * MiB, 32), (4 * MiB, 16), (8 * MiB, 8)]
+    store_cases = []
+    if native:
+        for bs, qd in grid:
+            store_cases.append(("io_uring", bs, qd, 1))
+        store_cases.append(("threads", 8 * MiB, 8, 1))
+        store_cases.append(("io_uring", 8 * MiB, 8, 2))
+    store_cases.append(("python", 8 * MiB, 8, 1))
+
+    # fio's own buffers are 4 KiB pages (see [Note: huge pages for DMA] in
+    # infinity/io/host_pool.py); the Python O_DIRECT pool with huge pages is the
+    # stronger baseline on a virtio disk, so both run and the best one counts.
+    raw_cases = [("pyraw", 8 * MiB, 8, 1), ("pyraw", 1 * MiB, 32, 1)]
+    if have_fio:
+        raw_cases += [("fio", 8 * MiB, 32, 1), ("fio", 4 * MiB, 16, 1), ("fio", 1 * MiB, 32, 1), ("fio", 8 * MiB, 8, 2)]
+
+    pool = HostPool(size + 4096)
+    pool_buf = pool.acquire(size).tensor
+    pool_buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+    plain = torch.empty(size, dtype=torch.uint8)
+    plain.fill_(1)  # fault the pages in: measure the copy, not first touch
+    data = bytes(pool_buf[:8 * MiB].numpy())
+
+    samples: dict = {}
+
+    def add(case, metric, v):
+        samples.setdefault(case, {}).setdefault(metric, []).append(v)
+
+    t0 = time.time()
+    try:
+        for rnd in range(args.rounds):
+            for raw_name, bs, qd, jobs in raw_cases:
+                raw_fn = fio_run if raw_name == "fio" else pyraw_run
+                f = str(root / "raw.bin")
+                if os.path.exists(f):
+                    os.unlink(f)
+                case = f"raw/{raw_name}-bs{bs // MiB}M-qd{qd}" + (f"-jobs{jobs}" if jobs > 1 else "")
+                add(case, "write_fresh", raw_fn(f, "write", size, bs, qd, jobs))
+                add(case, "write_over", raw_fn(f, "write", size, bs, qd, jobs))
+                add(case, "read", raw_fn(f, "read", size, bs, qd, jobs))
+                os.unlink(f)
+            for backend, bs, qd, npaths in store_cases:
+                dirs = [str(root / f"p{i}") for i in range(npaths)]
+                r = store_run(dirs, backend, bs, qd, size, pool_buf, plain)
+                case = f"store/{r.pop('backend')}-bs{bs // MiB}M-qd{qd}-paths{npaths}"
+                for k, v in r.items():
+                    add(case, k, v)
+                for d in dirs:
+                    shutil.rmtree(d, ignore_errors=True)
+            if have_aio:
+                f = str(root / "aio.bin")
+                w, rd = aiofiles_run(f, data, size, 8 * MiB)
+                add("aiofiles/bs8M-fsync", "write_over" if rnd else "write_fresh", w)
+                add("aiofiles/bs8M-fsync", "read", rd)
+            print(f"[bench_io] round {rnd + 1}/{args.rounds} done ({time.time() - t0:.0f} s)", file=sys.stderr)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        pool.close()
+
+    med = {c: {m: statistics.median(v) for m, v in ms.items()} for c, ms in samples.items()}
+    best_raw = {}
+    for c, ms in med.items():
+        if c.startswith("raw/"):
+            for m, v in ms.items():
+                best_raw[m] = max(best_raw.get(m, 0.0), v)
+    # Plain-tensor transfers are compared with the raw figure of the same direction.
+    ref = {"write_fresh": "write_fresh", "write_over": "write_over", "read": "read", "read_plain": "read",
+           "write_plain": "write_over"}
+    ratios = {c: {m: round(v / best_raw[ref[m]], 3) for m, v in ms.items() if ref.get(m) in best_raw}
+              for c, ms in med.items() if not c.startswith("raw/")}
+
+    metrics = ["write_fresh", "write_over", "read", "read_plain", "write_plain"]
+    print(f"\nSequential throughput, GB/s (median of {args.rounds}; {size // MiB} MiB per transfer; "
+          f"ratio to the best raw figure in brackets)")
+    print(f"{'case':42s}" + "".join(f"{m:>18s}" for m in metrics))
+    for c in med:
+        row = f"{c:42s}"
+        for m in metrics:
+            v = med[c].get(m)
+            if v is None:
+                row += f"{'-':>18s}"
+            elif c.startswith("raw/"):
+                row += f"{v:18.2f}"
+            else:
+                row += f"{v:10.2f} ({ratios[c][m]:.2f})"
+        print(row)
+    out = {"size_bytes": size, "rounds": args.rounds, "raw_tools": sorted({c[0] for c in raw_cases}), "median_gbps": med,
+           "samples_gbps": samples, "best_raw_gbps": best_raw, "ratio_to_best_raw": ratios,
+           "native": native, "seconds": round(time.time() - t0, 1)}
+    print(json.dumps(out, indent=1, sort_keys=True))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The engines below the store: CRC32C, checksum chunking, direct and bounce requests, errors."""
+
+import ctypes
+import errno
+import os
+
+import pytest
+import torch
+
+from infinity.io import HostPool, SwapIOError, native_available
+from infinity.io.engine import READ, WRITE, NativeEngine, crc_count
+from infinity.io.fallback import PythonEngine
+
+native = pytest.mark.skipif(not native_available(), reason="native engine not built")
+
+
+@native
+def test_crc32c_known_values_and_hw_matches_table():
+    from infinity.io.engine import _lib
+    lib = _lib()
+    check = b"123456789"
+    assert lib.inf_crc32c(0, check, 9) == 0xE3069283  # the CRC-32C check value
+    assert lib.inf_crc32c(0, bytes(32), 32) == 0x8A9136AA  # RFC 3720 B.4: 32 bytes of zeros
+    assert lib.inf_crc32c(0, b"\xff" * 32, 32) == 0x62A8AB43  # RFC 3720 B.4: 32 bytes of ones
+    data = os.urandom(3 * 8192 * 3 + 1000)
+    buf = ctypes.create_string_buffer(data)
+    base = ctypes.addressof(buf)
+    try:
+        for n in (0, 1, 7, 8, 9, 767, 768, 769, 24575, 24576, 24577, 3 * 8192 * 3 + 999):
+            for off in (0, 1, 5):
+                lib.inf_crc32c_force_sw(0)
+                hw = lib.inf_crc32c(0, base + off, n)
+                split = lib.inf_crc32c(lib.inf_crc32c(0, base + off, n // 3), base + off + n // 3, n - n // 3)
+                lib.inf_crc32c_force_sw(1)
+                sw = lib.inf_crc32c(0, base + off, n)
+                assert hw == sw == split, (n, off)
+    finally:
+        lib.inf_crc32c_force_sw(0)
+
+
+def test_crc_count_rule():
+    B = 65536
+    assert crc_count(0, B) == 0
+    assert crc_count(1, B) == 1                   # tail only
+    assert crc_count(4096, B) == 1
+    assert crc_count(4097, B) == 2                # body + tail
+    assert crc_count(B, B) == 1
+    assert crc_count(B + 4096 + 1, B) == 3        # two body chunks + tail
+    if native_available():
+        from infinity.io.engine import _lib
+        for n in (0, 1, 4095, 4096, 4097, B - 1, B, B + 1, 5 * B + 4097):
+            assert _lib().inf_io_crc_count(n, B) == crc_count(n, B)
+
+
+def engines():
+    out = [("python", lambda: PythonEngine(4, 65536))]
+    if native_available():
+        out.append(("threads", lambda: NativeEngine("threads", 4, 65536)))
+        try:
+            NativeEngine("io_uring", 1, 4096).close()
+            out.append(("io_uring", lambda: NativeEngine("io_uring", 4, 65536)))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("name,make", engines(), ids=[e[0] for e in engines()])
+def test_direct_and_bounce_give_same_bytes_and_checksums(tmp_path, name, make):
+    eng = make()
+    path = str(tmp_path / "f.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, 4 * 1024 * 1024)
+    pool = HostPool(4 * 1024 * 1024)
+    try:
+        fid = eng.register(fd, path)
+        n = 3 * 65536 + 5000
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        a = pool.acquire(n)
+        bounce = pool.acquire(2 * 65536)
+        a.tensor.copy_(src)
+        # Direct write of the aligned body + bounce write of the tail == one bounce write.
+        body = n // 4096 * 4096
+        c1 = (ctypes.c_uint32 * crc_count(body, 65536))()
+        c2 = (ctypes.c_uint32 * 1)()
+        eng.wait(eng.submit(WRITE, fid, 0, a.ptr, body, 0, 0, c1))
+        eng.wait(eng.submit(WRITE, fid, body, a.ptr + body, n - body, bounce.ptr, bounce.capacity, c2))
+        plain = src.clone()
+        c3 = (ctypes.c_uint32 * crc_count(n, 65536))()
+        eng.wait(eng.submit(WRITE, fid, 1 << 20, plain.data_ptr(), n, bounce.ptr, bounce.capacity, c3))
+        assert list(c1) + list(c2) == list(c3)
+        with open(path, "rb") as f:
+            f.seek(0)
+            one = f.read(n + 100)
+            f.seek(1 << 20)
+            two = f.read(n + 100)
+        assert one == two and one[:n] == bytes(src.numpy()) and one[n:n + 100] == bytes(100)  # zero padding
+        out = torch.zeros(n, dtype=torch.uint8)
+        eng.wait(eng.submit(READ, fid, 1 << 20, out.data_ptr(), n, bounce.ptr, bounce.capacity, c3, True))
+        assert torch.equal(out, src)
+        # A direct request with an unaligned buffer is refused up front.
+        with pytest.raises(SwapIOError) as ei:
+            eng.submit(READ, fid, 0, a.ptr + 8, 4096)
+        assert ei.value.errno == errno.EINVAL
+        a.release()
+        bounce.release()
+    finally:
+        eng.close()
+        os.close(fd)
+        pool.close()
