@@ -8,12 +8,14 @@ AdamW and ZeRO stages 1-3. See docs/architecture.md.
 """
 
 from . import native, optim
-from .api import full_state_dict, initialize, stats
+from .api import close, full_state_dict, initialize, stats
 from .config import Config
 from .engine.tiers import BudgetError
+from .lazy_init import init
+from .pretrained import load_pretrained
 from .optim import CPUAdamW
 
 __version__ = "0.1.0"
 
 __all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "full_state_dict", "BudgetError",
-           "__version__"]
+           "init", "load_pretrained", "close", "__version__"]

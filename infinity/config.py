@@ -105,7 +105,9 @@ class Config:
     initial_loss_scale: first dynamic loss scale (fp16).
     loss_scale_growth_interval: steps without overflow before the scale doubles.
     min_loss_scale: the dynamic scale never falls below this.
-    seed: seed of lazy initialisation (``infinity.init``).
+    seed: a seed for lazy initialisation, applied only when asked:
+        ``infinity.init(config, seed=config.seed)`` (an unseeded ``infinity.init``
+        keeps the program's own ``torch.manual_seed``).
     """
 
     device: str = "auto"

@@ -714,8 +714,17 @@ class Engine:
         """A host gradient buffer for ``u`` (NVMe optimizer state): zeroed, or
         holding the gradients accumulated so far if they were spilled. Returns
         the read in flight when ``wait`` is False."""
-        g, buf = self._host_acquire(u.trainable_numel, torch.float32, zero=not u.grad_on_nvme, protect=u)
+        g, buf = self._host_acquire(u.trainable_numel, torch.float32, protect=u)
         u.grad, u.grad_buf = g, buf
+        if not u.grad_on_nvme:
+            # Each slot's first gradient is copied in (not added), so only the
+            # padding between slots needs zeros (the update's runs span it).
+            end = 0
+            for s in u.layout.trainable_slots:
+                if s.offset > end:
+                    g[end:s.offset].zero_()
+                end = s.offset + s.numel
+            g[end:].zero_()
         if u.grad_on_nvme:
             h = self.nvme.read(swap_key(u.index, "grad"), g)
             if not wait:
@@ -756,19 +765,39 @@ class Engine:
 
     def opt_load(self, u: Unit):
         """Starts reading ``u``'s master and moments from NVMe into host
-        buffers; returns the handles to wait on."""
-        tn = u.trainable_numel
-        handles = []
-        bufs = []
-        for kind in ("master", "exp_avg", "exp_avg_sq"):
-            fresh = kind != "master" and u.moments_fresh
-            t, buf = self._host_acquire(tn, torch.float32, zero=fresh, protect=u)
-            setattr(u, kind, t)
-            bufs.append(buf)
-            if not fresh:
-                handles.append(self.nvme.read(swap_key(u.index, kind), t))
-        u.opt_bufs = bufs
-        return handles
+        buffers; returns the handles to wait on (those of an earlier
+        :meth:`opt_prefetch`, if one ran)."""
+        with self._host_lock:
+            if u.opt_pending is not None:
+                handles, u.opt_pending = u.opt_pending, None
+                return handles
+            tn = u.trainable_numel
+            handles = []
+            bufs = []
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                fresh = kind != "master" and u.moments_fresh
+                t, buf = self._host_acquire(tn, torch.float32, zero=fresh, protect=u)
+                setattr(u, kind, t)
+                bufs.append(buf)
+                if not fresh:
+                    handles.append(self.nvme.read(swap_key(u.index, kind), t))
+            u.opt_bufs = bufs
+            return handles
+
+    def opt_prefetch(self, u: Unit) -> bool:
+        """Starts :meth:`opt_load` of ``u`` early if the host budget has room
+        now (never waits); the update of ``u`` then finds its state read."""
+        with self._host_lock:
+            if u.opt_pending is not None or u.opt_bufs or not u.trainable_numel:
+                return False
+            need = 3 * _round_pool(_nbytes(u.trainable_numel, torch.float32))
+            if self.host_tier.free_bytes < need + _round_pool(_nbytes(u.trainable_numel, torch.float32)):
+                return False  # keep room for the gradients arriving meanwhile
+            try:
+                u.opt_pending = self.opt_load(u)
+            except BudgetError:
+                return False
+            return True
 
     def opt_out(self, u: Unit) -> torch.Tensor:
         """The host buffer the update writes the new compute copy into."""

@@ -46,7 +46,8 @@ class NvmeTier:
         for p in paths:
             os.makedirs(os.path.abspath(p), mode=0o700, exist_ok=True)
         self.store = SwapStore(dirs, capacity_bytes=capacity_bytes, block_size=block_size,
-                               queue_depth=queue_depth, staging_bytes=2 * len(dirs) * block_size)
+                               queue_depth=queue_depth, staging_bytes=2 * len(dirs) * block_size,
+                               backend=os.environ.get("INFINITY_IO_BACKEND", "auto"))
         self.stats = stats
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0

@@ -101,6 +101,22 @@ class InfinityOptimizer(torch.optim.Optimizer):
                 self._unit_step(u, grad, written, out, 1.0)
 
         u.opt_ticket = eng.mover.host_job(job)
+        if eng.opt_nvme:
+            self._prefetch_next_state()
+
+    def _prefetch_next_state(self) -> None:
+        """Reads the optimizer state of the unit whose gradients complete next
+        (the next unit in the backward trace, finally the root) while the
+        current one is updated."""
+        eng = self.engine
+        for idx in eng.trace.upcoming(8):
+            v = eng.units[idx]
+            if v.trainable_numel and v.index not in self._stepped_early:
+                eng.opt_prefetch(v)
+                return
+        root = eng.units[0]
+        if root.trainable_numel and root.index not in self._stepped_early:
+            eng.opt_prefetch(root)
 
     def _on_backward_end(self) -> None:
         eng = self.engine

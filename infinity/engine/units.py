@@ -116,6 +116,7 @@ class Unit:
         self.grad_claimed = False       # an update during backward owns the gradient buffer
         self.moments_fresh = False      # NVMe moments not written yet: they are zero
         self.opt_bufs: list = []
+        self.opt_pending = None         # reads of an early opt_load (NVMe optimizer state)
 
     @property
     def compute_numel(self) -> int:
