@@ -69,3 +69,17 @@ def test_random_against_model():
                     assert not used[u]
                     used[u] = True
         assert a.used_bytes == sum(used) * unit
+
+
+def test_alloc_high_takes_the_top_and_classes_do_not_interleave():
+    a = ExtentAllocator(100 * 4096, 4096)
+    lo = [a.alloc(4 * 4096) for _ in range(3)]
+    hi = [a.alloc_high(2 * 4096) for _ in range(3)]
+    assert lo == [0, 4 * 4096, 8 * 4096]
+    assert hi == [98 * 4096, 96 * 4096, 94 * 4096]
+    a.free(lo[1])
+    a.free(hi[1])
+    # Each class's hole is reused by the same class.
+    assert a.alloc(4 * 4096) == lo[1]
+    assert a.alloc_high(2 * 4096) == hi[1]
+    assert a.used_bytes == 18 * 4096

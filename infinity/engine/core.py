@@ -73,6 +73,7 @@ class Engine:
             for i, s in enumerate(u.layout.slots):
                 self.param_slot[id(s.param)] = (u, i)
         self._place(model)
+        self.stats.end_step_window()  # the first step's counters start after initialisation
 
     # ------------------------------------------------------------------ building
 
@@ -509,19 +510,41 @@ class Engine:
 
     def _host_acquire(self, numel: int, dtype: torch.dtype, zero: bool = False, protect: Optional[Unit] = None):
         """A transient host buffer under the host budget: frees finished
-        write-backs, then cached compute copies, then waits for write-backs."""
+        write-backs, then cached compute copies, then waits for write-backs,
+        then for the optimizer's work in flight (which frees its buffers)."""
+        high = dtype != torch.float32  # compute copies at the top, fp32 state at the bottom
         with self._host_lock:
             while True:
                 try:
-                    return self.host_tier.acquire(numel, dtype, zero)
+                    return self.host_tier.acquire(numel, dtype, zero, high=high)
                 except PoolExhausted:
                     if self._release_deferred(block=False) or self._evict_cached(protect) \
                             or self._release_deferred(block=True):
+                        continue
+                    if threading.current_thread() is threading.main_thread() and self._wait_optimizer_work():
                         continue
                     nbytes = _nbytes(numel, dtype)
                     raise BudgetError(f"host tier: {nbytes} bytes needed, {self.host_tier.free_bytes} of "
                                       f"{self.host_tier.pool.capacity_bytes} free and nothing left to evict; "
                                       "raise host_memory or lower prefetch_depth") from None
+
+    def _wait_optimizer_work(self) -> bool:
+        """Waits (without the host lock) for one update running on the host
+        thread, which frees its buffers when done. True if one was waited for."""
+        for u in self.units:
+            t = u.opt_ticket
+            if t is not None and not t.done():
+                depth = 0
+                while self._host_lock._is_owned():  # release fully: the job needs the lock to finish
+                    self._host_lock.release()
+                    depth += 1
+                try:
+                    t.wait()
+                finally:
+                    for _ in range(depth):
+                        self._host_lock.acquire()
+                return True
+        return False
 
     def _cache_load(self, u: Unit):
         """Makes sure ``u``'s compute copy has a host buffer; returns the NVMe

@@ -137,13 +137,15 @@ class HostTier:
         self._buffers.append(buf)
         return t
 
-    def acquire(self, numel: int, dtype: torch.dtype, zero: bool = False):
+    def acquire(self, numel: int, dtype: torch.dtype, zero: bool = False, high: bool = False):
         """(tensor, handle) of a transient buffer; raises PoolExhausted when the
         budget has no room (the caller evicts and retries). Give the handle to
-        :meth:`release`."""
+        :meth:`release`. ``high``: from the top of the pool (compute copies go
+        there, fp32 state at the bottom, so each class's holes fit its own
+        later requests instead of fragmenting the pool)."""
         assert self.pool is not None
         nbytes = self._nbytes(numel, dtype)
-        buf = self.pool.acquire(max(nbytes, 1), block=False)
+        buf = self.pool.acquire(max(nbytes, 1), block=False, high=high)
         t = buf.view(torch.uint8)[:nbytes].view(dtype)
         if zero:
             t.zero_()

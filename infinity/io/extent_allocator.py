@@ -61,6 +61,25 @@ class ExtentAllocator:
                 return off
         return None
 
+    def alloc_high(self, size: int) -> Optional[int]:
+        """Like :meth:`alloc`, but takes the top of the highest free range that
+        fits. Callers that allocate two classes of sizes from opposite ends
+        keep each class's holes reusable by the same class."""
+        need = self.round(size)
+        for i in range(len(self._sizes) - 1, -1, -1):
+            s = self._sizes[i]
+            if s >= need:
+                off = self._starts[i] + s - need
+                if s == need:
+                    del self._starts[i]
+                    del self._sizes[i]
+                else:
+                    self._sizes[i] = s - need
+                self._used[off] = need
+                self.used_bytes += need
+                return off
+        return None
+
     def free(self, offset: int) -> int:
         """Release the extent at ``offset``; returns its (rounded) size in bytes."""
         try:

@@ -213,13 +213,15 @@ class HostPool:
     def free_bytes(self) -> int:
         return self._alloc.free_bytes
 
-    def acquire(self, nbytes: int, *, block: bool = True, timeout: Optional[float] = None) -> PoolBuffer:
+    def acquire(self, nbytes: int, *, block: bool = True, timeout: Optional[float] = None,
+                high: bool = False) -> PoolBuffer:
         """A buffer of ``nbytes`` bytes, 4 KiB-aligned, capacity rounded up to 4 KiB.
 
         When the budget has no free range that fits: waits for releases if
         ``block`` (at most ``timeout`` seconds, None = forever), else raises
         :class:`PoolExhausted` at once. A request larger than the whole budget
-        always raises.
+        always raises. ``high`` places the buffer at the top of the arena (see
+        :meth:`ExtentAllocator.alloc_high`).
         """
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes} must be >= 0")
@@ -232,7 +234,7 @@ class HostPool:
             while True:
                 if self._mm is None:
                     raise RuntimeError("HostPool is closed")
-                off = self._alloc.alloc(nbytes)
+                off = self._alloc.alloc_high(nbytes) if high else self._alloc.alloc(nbytes)
                 if off is not None:
                     self.peak_bytes = max(self.peak_bytes, self._alloc.used_bytes)
                     return PoolBuffer(self, off, nbytes, need)
