@@ -322,32 +322,17 @@ class Engine:
         home, and the device copy if resident. Optimizer moments are left as
         they are. Used by ``infinity.load_pretrained``."""
         self.drain_grads()
-        if self.nvme_used:
-            self._write_unit_values_nvme(u, values)
-            return
-        for i, t in values.items():
-            s = u.layout.slots[i]
-            src = t.detach().reshape(-1)
-            if src.numel() != s.numel:
-                raise ValueError(f"{s.name}: {src.numel()} elements given, the parameter has {s.numel} "
-                                 f"(shape {tuple(s.shape)})")
-            sl = slice(s.offset, s.offset + s.numel)
-            if s.trainable and u.master is not None:
-                u.master[sl].copy_(src)
-            if u.host_compute is not None:
-                u.host_compute[sl].copy_(src)
-            if u.next_compute is not None:
-                u.next_compute[sl].copy_(src)
-            if u.dev_compute is not None and (u.permanent or u.host_compute is None):
-                u.dev_compute[sl].copy_(src)
         if not u.permanent and u.device_state is not DeviceState.ABSENT:
             if u.pins:
                 raise RuntimeError(f"write_unit_values: unit {u.name!r} is in use by a forward/backward")
-            self._evict(u)
-
-    def _write_unit_values_nvme(self, u: Unit, values: Dict[int, torch.Tensor]) -> None:
+            self._evict(u)  # fetched again, with the new values, when next used
+        # Every buffer holding these parameters: in memory they are written in
+        # place; NVMe homes are read, written and stored back.
         master = self.read_kind(u, "master") if u.trainable_numel else None
-        comp = self.read_kind(u, "compute")
+        home = self.read_kind(u, "compute")
+        computes = [t for t in (home, u.next_compute) if t is not None]
+        if u.permanent and u.dev_compute is not None and home is not u.dev_compute:
+            computes.append(u.dev_compute)
         for i, t in values.items():
             s = u.layout.slots[i]
             src = t.detach().reshape(-1)
@@ -357,17 +342,15 @@ class Engine:
             sl = slice(s.offset, s.offset + s.numel)
             if s.trainable and master is not None:
                 master[sl].copy_(src)
-            if comp is not None:
-                comp[sl].copy_(src)
+            for c in computes:
+                c[sl].copy_(src)
         if self.opt_nvme and master is not None:
             self.nvme.write(swap_key(u.index, "master"), master).wait()
         if self.params_nvme:
             with self._host_lock:
                 if u.host_busy is not None:
                     u.host_busy.wait()
-                self.nvme.write(swap_key(u.index, "compute"), comp).wait()
-        if not u.permanent and u.device_state is not DeviceState.ABSENT:
-            self._evict(u)
+                self.nvme.write(swap_key(u.index, "compute"), home).wait()
 
     # ------------------------------------------------------------------ residency
 

@@ -45,6 +45,16 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _internally(eng: Engine, fn, *args) -> None:
+    """Runs an engine call that touches parameters itself, unseen by the
+    recording pass's watcher."""
+    eng._internal += 1
+    try:
+        fn(*args)
+    finally:
+        eng._internal -= 1
+
+
 def _grad_tensors(obj: Any) -> List[torch.Tensor]:
     leaves, _ = tree_flatten(obj)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -147,17 +157,13 @@ class Hooks:
     def _make_pre(self, u: Unit):
         def pre(module, args):
             eng = self.engine
-            eng._internal += 1
-            try:
-                eng.fetch(u)
-                if _in_backward():
-                    # Recomputation (activation checkpointing) inside backward:
-                    # the backward pin protects the unit; a forward pin could
-                    # leak, since recomputation may stop before the forward
-                    # hook runs (non-reentrant checkpoint's early stop).
-                    eng.unpin(u)
-            finally:
-                eng._internal -= 1
+            _internally(eng, eng.fetch, u)
+            if _in_backward():
+                # Recomputation (activation checkpointing) inside backward:
+                # the backward pin protects the unit; a forward pin could
+                # leak, since recomputation may stop before the forward
+                # hook runs (non-reentrant checkpoint's early stop).
+                eng.unpin(u)
             if torch.is_grad_enabled():
                 ins = _grad_tensors(args)
                 if ins:
@@ -180,12 +186,7 @@ class Hooks:
         return post
 
     def _pre_backward(self, u: Unit) -> None:
-        eng = self.engine
-        eng._internal += 1
-        try:
-            eng.fetch(u)
-        finally:
-            eng._internal -= 1
+        _internally(self.engine, self.engine.fetch, u)
         u.bwd_count += 1
 
     def _post_backward(self, u: Unit) -> None:
@@ -195,12 +196,7 @@ class Hooks:
 
     def _make_grad_hook(self, u: Unit, ti: int):
         def hook(p):
-            eng = self.engine
-            eng._internal += 1
-            try:
-                eng.on_grad(u, ti, p)
-            finally:
-                eng._internal -= 1
+            _internally(self.engine, self.engine.on_grad, u, ti, p)
             if u.grads_pending == 0:
                 self.on_unit_grads(u)
         return hook
