@@ -85,6 +85,12 @@ class Config:
         moments: ``"none"`` (device), ``"host"`` (CPU AdamW) or ``"nvme"``.
     swap_paths: directories for NVMe swap files (one or more; bandwidth
         adds up across devices). Default ``["./infinity-swap"]``.
+    swap_block_size: bytes per I/O request to the swap files (multiple of 4 KiB).
+    swap_queue_depth: requests in flight over all swap paths.
+    swap_backend: ``"auto"`` (io_uring where the kernel offers it, else a
+        thread pool), ``"io_uring"``, ``"threads"`` or ``"python"``.
+    swap_checksum: CRC32C of every block written, verified on every read
+        (costs CPU: one extra read of each byte moved).
     prefetch_depth: how many units ahead of compute the prefetcher fetches.
     prefetch_bytes: optional byte bound on what is prefetched ahead.
     max_grad_norm: clip gradients to this global L2 norm (``None``: no clipping).
@@ -117,6 +123,10 @@ class Config:
     offload_params: str = "host"
     offload_optimizer: str = "host"
     swap_paths: Sequence[str] = field(default_factory=lambda: ["./infinity-swap"])
+    swap_block_size: Union[int, str] = "8MiB"
+    swap_queue_depth: int = 16
+    swap_backend: str = "auto"
+    swap_checksum: bool = True
     prefetch_depth: int = 2
     prefetch_bytes: Optional[Union[int, str]] = None
     max_grad_norm: Optional[float] = None
@@ -167,7 +177,15 @@ class Config:
         self.swap_paths = list(self.swap_paths)
         if not self.swap_paths:
             raise ValueError("Config.swap_paths is empty: give at least one directory")
-        for name, lo in (("prefetch_depth", 0), ("grad_accumulation_steps", 1), ("loss_scale_growth_interval", 1)):
+        self.swap_block_size = parse_bytes(self.swap_block_size, "Config.swap_block_size")
+        if self.swap_block_size < 4096 or self.swap_block_size % 4096:
+            raise ValueError(f"Config.swap_block_size={self.swap_block_size}: must be a positive multiple of "
+                             "4096 bytes")
+        _choice("swap_backend", self.swap_backend, ("auto", "io_uring", "threads", "python"))
+        if not isinstance(self.swap_checksum, bool):
+            raise TypeError(f"Config.swap_checksum={self.swap_checksum!r}: must be True or False")
+        for name, lo in (("prefetch_depth", 0), ("grad_accumulation_steps", 1), ("loss_scale_growth_interval", 1),
+                         ("swap_queue_depth", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"Config.{name}={v!r}: must be an int >= {lo}")

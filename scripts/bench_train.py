@@ -125,7 +125,8 @@ def run(args) -> dict:
     host = model_state * 2 if args.offload == "host" else int(model_state * args.host_frac)
     cfg = infinity.Config(device=args.device, dtype="fp32", device_memory=budget, host_memory=host,
                           offload_params=args.offload, offload_optimizer=args.offload, overlap=args.overlap,
-                          prefetch_depth=args.prefetch_depth, swap_paths=args.swap_dir or ["./infinity-swap"])
+                          prefetch_depth=args.prefetch_depth, swap_paths=args.swap_dir or ["./infinity-swap"],
+                          swap_checksum=not args.no_checksum)
     model, opt = infinity.initialize(model, cfg, lr=1e-4, weight_decay=0.1)
     print(f"model: {n_params / 1e6:.1f} M params, model state {model_state / 2**20:.0f} MiB, device budget "
           f"{budget / 2**20:.0f} MiB ({model_state / budget:.1f}x smaller), host budget {host / 2**20:.0f} MiB, "
@@ -256,6 +257,7 @@ def main() -> int:
     ap.add_argument("--host-frac", type=float, default=0.4,
                     help="with --offload nvme: host budget as a fraction of the model state")
     ap.add_argument("--swap-dir", action="append", default=None)
+    ap.add_argument("--no-checksum", action="store_true", help="Config.swap_checksum=False (nvme)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--json", default="bench-results/bench_train.json")
     args = ap.parse_args()

@@ -201,6 +201,10 @@ def test_optimizer_state_dict_matches_torch_format():
     (dict(zero_stage=5), "Config.zero_stage"),
     (dict(swap_paths="/tmp/x"), "Config.swap_paths"),
     (dict(overlap="delayed", offload_optimizer="none"), "delayed"),
+    (dict(swap_block_size=1000), "Config.swap_block_size"),
+    (dict(swap_backend="aio"), "Config.swap_backend"),
+    (dict(swap_checksum="yes"), "Config.swap_checksum"),
+    (dict(offload_params="nvme", offload_optimizer="none"), "offload_params='nvme'"),
 ])
 def test_config_errors_name_the_field(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -125,3 +125,11 @@ def test_nvme_full_state_dict_and_optimizer_state(tmp_path):
     for k, v in ref.state_dict().items():
         assert (full[k] - v).abs().max() <= 1e-5 * v.abs().max() + 1e-7, k
     infinity.api.close(m)
+
+
+@pytest.mark.parametrize("backend", ["threads", "python"])
+def test_nvme_other_backends_without_checksum(tmp_path, backend):
+    model, _, _, _ = train_pair(small_gpt, cfg(tmp_path, swap_backend=backend, swap_checksum=False,
+                                               swap_block_size="1MiB"), steps=6)
+    assert infinity.api.engine_of(model).nvme.store.backend == backend
+    infinity.api.close(model)

@@ -198,7 +198,9 @@ class Engine:
         if self.nvme_used:
             keys = len(self.units) * 5
             slack = 2 * 4096 * keys * len(cfg.swap_paths) + 64 * 4096
-            self.nvme = NvmeTier(cfg.swap_paths, nvme_need + slack, self.stats)
+            self.nvme = NvmeTier(cfg.swap_paths, nvme_need + slack, self.stats, block_size=cfg.swap_block_size,
+                                 queue_depth=cfg.swap_queue_depth, backend=cfg.swap_backend,
+                                 checksum=cfg.swap_checksum)
             weakref.finalize(self, self.nvme.close)
 
         with torch.no_grad():

@@ -41,13 +41,13 @@ class NvmeTier:
     needed and free named by the store)."""
 
     def __init__(self, paths: Sequence[str], capacity_bytes: int, stats: Stats, rank: int = 0,
-                 block_size: int = 8 << 20, queue_depth: int = 16):
+                 block_size: int = 8 << 20, queue_depth: int = 16, backend: str = "auto", checksum: bool = True):
         dirs = [os.path.join(os.path.abspath(p), f"rank{rank}") for p in paths]
         for p in paths:
             os.makedirs(os.path.abspath(p), mode=0o700, exist_ok=True)
         self.store = SwapStore(dirs, capacity_bytes=capacity_bytes, block_size=block_size,
                                queue_depth=queue_depth, staging_bytes=2 * len(dirs) * block_size,
-                               backend=os.environ.get("INFINITY_IO_BACKEND", "auto"))
+                               backend=backend, checksum=checksum)
         self.stats = stats
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
