@@ -153,8 +153,25 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "trace_invalidations": s.trace_invalidations,
         "units": len(eng.units),
         "loss_scale": opt.loss_scale if opt is not None else 1.0,
+        "state_bytes": _state_bytes(eng),
+        "zero_stage": eng.zero,
+        "world_size": eng.sharding.world,
         "host_pinned": eng.host_tier.pinned,
     }
+
+
+def _state_bytes(eng: Engine) -> Dict[str, int]:
+    """Bytes this rank keeps for good per kind of optimizer state (host or
+    device), excluding transient buffers: the ZeRO 1/N shares."""
+    out = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0, "grad": 0}
+    for u in eng.units:
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            t = getattr(u, kind)
+            if t is not None:
+                out[kind] += t.numel() * t.element_size()
+        for t in ({u.grad_shard} if eng.zero == 2 else {u.grad, u.grad_shard}) - {None}:
+            out["grad"] += t.numel() * t.element_size()
+    return out
 
 
 @torch.no_grad()

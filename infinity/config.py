@@ -102,7 +102,8 @@ class Config:
     grad_accumulation_steps: backward passes per optimizer step. Only
         ``overlap="backward"`` needs it (to know which backward is the last);
         other modes accumulate any number of backward passes.
-    zero_stage: ZeRO stage (0 = no sharding across ranks).
+    zero_stage: ZeRO stage over the default torch.distributed process group:
+        0 (no sharding), 1 (optimizer state sharded), 2 (and gradients).
     unit_classes: module class names (or classes) that form a paging unit.
         Default: each child of every ``nn.ModuleList``. The parameters not
         in any unit form the root unit, resident during forward and backward.
@@ -210,18 +211,22 @@ class Config:
             for c in self.unit_classes:
                 if not isinstance(c, (str, type)):
                     raise TypeError(f"Config.unit_classes: {c!r} is neither a class nor a class name")
-        if self.zero_stage != 0:
-            raise ValueError(f"Config.zero_stage={self.zero_stage}: ZeRO stages 1-3 are not available yet "
-                             "in this version; use zero_stage=0")
+        if self.zero_stage == 3:
+            raise ValueError("Config.zero_stage=3 (sharded parameters) is not available yet in this version; "
+                             "use zero_stage 0, 1 or 2")
+        if self.zero_stage > 0 and (self.offload_optimizer != "host" or self.offload_params == "nvme"
+                                    or self.overlap == "delayed"):
+            raise ValueError(f"Config.zero_stage={self.zero_stage} works with offload_optimizer='host', "
+                             "offload_params 'none' or 'host' and overlap 'step' or 'backward' in this version")
+        if self.overlap == "delayed" and self.offload_optimizer == "none":
+            raise ValueError("Config.overlap='delayed' needs offload_optimizer='host': the delayed update is "
+                             "the CPU optimizer running beside the next step's compute")
         if self.overlap == "delayed" and "nvme" in (self.offload_params, self.offload_optimizer):
             raise ValueError("Config.overlap='delayed' is not available with 'nvme' offload; use 'step' or "
                              "'backward'")
         if self.offload_optimizer == "none" and self.offload_params == "nvme":
             raise ValueError("Config: offload_params='nvme' needs offload_optimizer='host' or 'nvme' (the "
                              "optimizer writes the new compute copy on the host, from where it goes to NVMe)")
-        if self.overlap == "delayed" and self.offload_optimizer == "none":
-            raise ValueError("Config.overlap='delayed' needs offload_optimizer='host': the delayed update is "
-                             "the CPU optimizer running beside the next step's compute")
 
     # -- derived -------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from ..config import Config, format_bytes
 from ..io.errors import PoolExhausted
 from .mover import Ticket, done_ticket, make_mover
 from .nvme import NvmeTier, key as swap_key
+from .zero import Sharding
 from .state import DeviceState, GradState, transition
 from .stats import Stats, Timer
 from .tiers import BudgetError, DeviceTier, HostTier
@@ -67,6 +68,8 @@ class Engine:
         self.micro_batches = 0               # backward passes since the last step
         self._grad_bytes_outstanding: List[Tuple[Ticket, int]] = []
         self._closed = False
+        self.sharding = Sharding(config.zero_stage, self.stats)
+        self.zero = config.zero_stage
         self.units = self._build_units(model, config, group_of)
         self.param_slot: Dict[int, Tuple[Unit, int]] = {}
         for u in self.units:
@@ -104,12 +107,13 @@ class Engine:
             if pid not in assigned:
                 root.append((owners[pid][0], p))
         units: List[Unit] = []
-        root_unit = Unit(0, "<root>", [model], Layout(root, group_of), is_root=True)
+        root_unit = Unit(0, "<root>", [model], Layout(root, group_of, self.sharding.world), is_root=True)
         units.append(root_unit)
         for ui, (uname, umod) in enumerate(unit_mods):
             if not per_unit[ui]:
                 continue
-            units.append(Unit(len(units), uname, [umod], Layout(per_unit[ui], group_of), is_root=False))
+            units.append(Unit(len(units), uname, [umod], Layout(per_unit[ui], group_of, self.sharding.world),
+                              is_root=False))
         return units
 
     def _compute_bytes(self, u: Unit) -> int:
@@ -168,6 +172,7 @@ class Engine:
         delayed = cfg.overlap == "delayed"
         perm, cache_all, largest_c, largest_t = 0, 0, 0, 0
         nvme_need = 0
+        zero_transient = 0
         for u in self.units:
             cb = _round_pool(self._compute_bytes(u))
             tb = _round_pool(_nbytes(u.trainable_numel, torch.float32)) if u.trainable_numel else 0
@@ -178,7 +183,13 @@ class Engine:
                 cache_all += cb
                 nvme_need += cb
             if self.host_optimizer and not self.opt_nvme and u.trainable_numel:
-                perm += tb * (5 if delayed else 4)
+                if self.zero:
+                    sb = _round_pool(tb // self.sharding.world)
+                    perm += 4 * sb + (tb if self.zero == 1 else 0)
+                    if self.zero == 2:  # full gradients live from the unit's first gradient to its reduction
+                        zero_transient += tb
+                else:
+                    perm += tb * (5 if delayed else 4)
             if self.opt_nvme and u.trainable_numel:
                 cache_all += 4 * tb
                 nvme_need += 4 * tb
@@ -192,7 +203,10 @@ class Engine:
             # Two units' master, moments and gradients in the pipeline, and
             # the gradients of the unit whose backward is running.
             minimum += 9 * largest_t + largest_c
-        capacity = perm + (cache_all + 9 * largest_t + largest_c if self.nvme_used else 0)
+        if self.zero == 2 and cfg.grad_accumulation_steps == 1:
+            zero_transient = min(zero_transient, 3 * largest_t)  # a few units' gradients at a time
+        minimum += min(zero_transient, 2 * largest_t)
+        capacity = perm + (cache_all + 9 * largest_t + largest_c if self.nvme_used else 0) + zero_transient
         self.host_tier = HostTier(capacity, host_budget, pin=self.device.type == "cuda", need_bytes=minimum)
         self.host_budget = host_budget
         if self.nvme_used:
@@ -259,6 +273,15 @@ class Engine:
         if tn:
             if self.opt_nvme:
                 u.moments_fresh = True  # first step starts from zero moments: nothing to read
+            elif self.host_optimizer and self.zero:
+                # See [Note: ZeRO shards in infinity].
+                sn = tn // self.sharding.world
+                u.master = host.alloc(sn, torch.float32)
+                u.exp_avg = host.alloc(sn, torch.float32)
+                u.exp_avg_sq = host.alloc(sn, torch.float32)
+                u.grad_shard = host.alloc(sn, torch.float32)
+                if self.zero == 1:
+                    u.grad = host.alloc(tn, torch.float32)
             elif self.host_optimizer:
                 u.master = host.alloc(tn, torch.float32)
                 u.exp_avg = host.alloc(tn, torch.float32)
@@ -270,14 +293,20 @@ class Engine:
                 mk = lambda: torch.zeros(tn, dtype=torch.float32, device=self.device)  # noqa: E731
                 u.master, u.exp_avg, u.exp_avg_sq, u.grad = mk(), mk(), mk(), mk()
         originals = [t.detach().reshape(-1) for t in originals]
+        master_full = u.master
+        if self.zero and tn:
+            master_full = torch.zeros(tn, dtype=torch.float32)  # the own shard is kept below
         for s, src in zip(u.layout.slots, originals):
             if src.numel() != s.numel:
                 raise ValueError(f"unit {u.name!r}: value for {s.name!r} has {src.numel()} elements, "
                                  f"expected {s.numel} (shape {tuple(s.shape)})")
-            if s.trainable and u.master is not None:
-                u.master[s.offset:s.offset + s.numel].copy_(src)
+            if s.trainable and master_full is not None:
+                master_full[s.offset:s.offset + s.numel].copy_(src)
             if u.host_compute is not None:
                 u.host_compute[s.offset:s.offset + s.numel].copy_(src)
+        if self.zero and tn:
+            lo, hi = self.sharding.shard(tn)
+            u.master.copy_(master_full[lo:hi])
         if self.opt_nvme and tn:
             master, buf = self._host_acquire(tn, torch.float32, zero=True)
             for s, src in zip(u.layout.slots, originals):
@@ -348,6 +377,9 @@ class Engine:
                 c[sl].copy_(src)
         if self.opt_nvme and master is not None:
             self.nvme.write(swap_key(u.index, "master"), master).wait()
+        if self.zero and master is not None:
+            lo, hi = self.sharding.shard(u.trainable_numel)
+            u.master.copy_(master[lo:hi])
         if self.params_nvme:
             with self._host_lock:
                 if u.host_busy is not None:
@@ -863,6 +895,8 @@ class Engine:
                 return out
             return None
         t = getattr(u, kind)
+        if t is not None and self.zero and kind != "compute":
+            return self.sharding.all_gather(t, u.trainable_numel)  # every rank must call this
         if t is not None:
             return t
         if self.opt_nvme and u.trainable_numel:

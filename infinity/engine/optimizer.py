@@ -72,10 +72,25 @@ class InfinityOptimizer(torch.optim.Optimizer):
 
     # -- hooks from the engine ------------------------------------------------------------
 
+    def _reduce(self, u: Unit) -> None:
+        """ZeRO: sums ``u``'s gradients over the ranks into its own shard (see
+        [Note: ZeRO shards in infinity]); stage 2 frees the full buffer."""
+        eng = self.engine
+        eng.wait_grads(u)
+        if u.grad is None:  # no gradient on this rank: contribute zeros
+            eng.acquire_grad(u)
+        eng.sharding.reduce_scatter(u.grad_shard, u.grad)
+        if eng.zero == 2:
+            eng.release_grad(u)
+        u.grad_reduced = True
+
     def _on_unit_grads(self, u: Unit) -> None:
         eng = self.engine
+        last = eng.micro_batches + 1 == eng.config.grad_accumulation_steps
+        if eng.zero == 2 and last and u.trainable_numel and not u.grad_reduced:
+            self._reduce(u)  # in program order on every rank
         early = (self.overlap == "backward" and self.max_grad_norm is None and not self.fp16
-                 and eng.micro_batches + 1 == eng.config.grad_accumulation_steps
+                 and last and eng.zero != 1
                  and u.index not in self._stepped_early and u.opt_ticket is None)
         if not early:
             if eng.opt_nvme:
@@ -95,10 +110,13 @@ class InfinityOptimizer(torch.optim.Optimizer):
                 eng.release_grad(u)
         else:
             out = u.host_compute if eng.host_optimizer else None
+            if eng.zero:
+                grad = u.grad_shard
+            scale = 1.0 / eng.sharding.world
 
             def job() -> None:
                 eng.wait_grads(u)
-                self._unit_step(u, grad, written, out, 1.0)
+                self._unit_step(u, grad, written, out, scale)
 
         u.opt_ticket = eng.mover.host_job(job)
         if eng.opt_nvme:
@@ -152,11 +170,12 @@ class InfinityOptimizer(torch.optim.Optimizer):
     def _global_scale(self, units_grads) -> Tuple[bool, float]:
         """(skip, grad_scale): unscaling, clipping and the fp16 overflow check,
         over all gradients. ``units_grads`` is a list of (unit, grad buffer, written)."""
-        inv = 1.0 / self.loss_scale if self.fp16 else 1.0
+        eng = self.engine
+        world = eng.sharding.world  # ZeRO: the gradients are sums over the ranks
+        inv = (1.0 / self.loss_scale if self.fp16 else 1.0) / world
         if self.max_grad_norm is None and not self.fp16:
             return False, inv
         sq = 0.0
-        eng = self.engine
         for u, grad, written in units_grads:
             if grad is None and eng.opt_nvme:
                 eng.load_grad(u)  # spilled: read back for the norm (and dropped again)
@@ -164,15 +183,17 @@ class InfinityOptimizer(torch.optim.Optimizer):
             if grad is None:
                 continue
             for a, b in self._written_runs(u, written):
-                n = float(torch.linalg.vector_norm(grad[a:b], dtype=torch.float32))
-                sq += n * n
+                ab = self._local(u, a, b, grad)
+                if ab is not None:
+                    n = float(torch.linalg.vector_norm(grad[ab[0]:ab[1]], dtype=torch.float32))
+                    sq += n * n
             if eng.opt_nvme:
                 eng.drop_loaded_grad(u)
-        norm = math.sqrt(sq)
+        norm = math.sqrt(eng.sharding.sum(sq)) / world
         if not math.isfinite(norm):
             self.last_grad_norm = norm
             return True, inv
-        norm *= inv
+        norm /= self.loss_scale if self.fp16 else 1.0
         self.last_grad_norm = norm
         scale = inv
         if self.max_grad_norm is not None:
@@ -202,8 +223,13 @@ class InfinityOptimizer(torch.optim.Optimizer):
                 u.opt_ticket = None
         eng.stats.optimizer_wait_seconds += time.perf_counter() - t0
         eng.drain_grads()
+        if eng.zero:
+            for u in eng.units:  # same order on every rank
+                if u.trainable_numel and not u.grad_reduced:
+                    self._reduce(u)
         todo = [u for u in eng.units if u.index not in self._stepped_early and u.trainable_numel]
-        skip, scale = self._global_scale([(u, u.grad, u.grad_written) for u in todo])
+        skip, scale = self._global_scale([(u, u.grad_shard if eng.zero else u.grad, u.grad_written)
+                                          for u in todo])
         if skip and self._stepped_early:
             raise RuntimeError("internal: overflow after early updates")  # early updates exclude fp16
         self._after_overflow_check(skip)
@@ -213,7 +239,11 @@ class InfinityOptimizer(torch.optim.Optimizer):
             else:
                 for u in todo:
                     out = u.host_compute if eng.host_optimizer else None
-                    self._unit_step(u, u.grad, list(u.grad_written), out, scale)
+                    self._unit_step(u, u.grad_shard if eng.zero else u.grad, list(u.grad_written), out, scale)
+            if eng.zero:  # every rank gets the new compute copies of every shard
+                for u in eng.units:
+                    if u.trainable_numel:
+                        eng.sharding.all_gather_(u.host_compute[:u.trainable_numel])
             eng.stats.steps += 1
         for u in eng.units:
             self._consume(u)
@@ -261,8 +291,9 @@ class InfinityOptimizer(torch.optim.Optimizer):
         eng.invalidate_device_copies()
 
     def _consume(self, u: Unit) -> None:
-        if self.engine.opt_nvme:
+        if self.engine.opt_nvme or self.engine.zero == 2:
             self.engine.release_grad(u)
+        u.grad_reduced = False
         if u.grad_state is not GradState.CLEAN:
             u.grad_state = transition(u.name, "grad", u.grad_state, GradState.CONSUMED)
             u.grad_state = transition(u.name, "grad", u.grad_state, GradState.CLEAN)
@@ -320,6 +351,23 @@ class InfinityOptimizer(torch.optim.Optimizer):
 
     # -- one unit -----------------------------------------------------------------------------
 
+    def _clip_to_shard(self, u: Unit, a: int, b: int) -> Tuple[int, int]:
+        """Global range [a, b) cut to the own ZeRO shard (unchanged without ZeRO)."""
+        if not self.engine.zero:
+            return a, b
+        lo, hi = self.engine.sharding.shard(u.trainable_numel)
+        return max(a, lo), min(b, hi)
+
+    def _local(self, u: Unit, a: int, b: int, buf: torch.Tensor) -> Optional[Tuple[int, int]]:
+        """Indices into ``buf`` for global range [a, b): ``buf`` is either the
+        full buffer, or (ZeRO) the own shard, then the range is cut to it (None
+        when empty)."""
+        if buf.numel() == u.trainable_numel:
+            return a, b
+        lo = self.engine.sharding.shard(u.trainable_numel)[0]
+        a2, b2 = self._clip_to_shard(u, a, b)
+        return (a2 - lo, b2 - lo) if a2 < b2 else None
+
     @staticmethod
     def _written_runs(u: Unit, written: List[bool]) -> List[Tuple[int, int]]:
         """Element ranges covering runs of consecutive trainable slots that got gradients."""
@@ -358,13 +406,20 @@ class InfinityOptimizer(torch.optim.Optimizer):
             cur = [s.offset, s.offset + s.numel] if k is not None else None
         if key is not None:
             runs.setdefault(key, []).append((cur[0], cur[1]))
-        for (gi, step), ranges in runs.items():
+        for (gi, step), global_ranges in runs.items():
             g = self.param_groups[gi]
             beta1, beta2 = g["betas"]
-            ps = [u.master[a:b] for a, b in ranges]
-            gs = [grad[a:b] for a, b in ranges]
-            ms = [u.exp_avg[a:b] for a, b in ranges]
-            vs = [u.exp_avg_sq[a:b] for a, b in ranges]
+            # ZeRO: only the part inside the own shard; state buffers are shard-local.
+            ranges = [(a, b) for a, b in global_ranges if self._local(u, a, b, u.master) is not None]
+            if not ranges:
+                continue
+            st = [self._local(u, a, b, u.master) for a, b in ranges]
+            gr = [self._local(u, a, b, grad) for a, b in ranges]
+            ranges = [self._clip_to_shard(u, a, b) for a, b in ranges]
+            ps = [u.master[a:b] for a, b in st]
+            gs = [grad[a:b] for a, b in gr]
+            ms = [u.exp_avg[a:b] for a, b in st]
+            vs = [u.exp_avg_sq[a:b] for a, b in st]
             outs = [out[a:b] for a, b in ranges] if out is not None else None
             if u.master.device.type == "cuda":
                 self._device_step(ps, gs, ms, vs, step + 1, g, grad_scale)

@@ -117,6 +117,8 @@ class Unit:
         self.moments_fresh = False      # NVMe moments not written yet: they are zero
         self.opt_bufs: list = []
         self.opt_pending = None         # reads of an early opt_load (NVMe optimizer state)
+        self.grad_shard = None          # ZeRO: the own shard of the summed gradients
+        self.grad_reduced = False       # ZeRO: grad_shard holds this step's reduced gradients
 
     @property
     def compute_numel(self) -> int:

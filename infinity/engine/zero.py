@@ -1,0 +1,75 @@
+"""ZeRO sharding of a unit's flat buffers over the data-parallel ranks.
+
+[Note: ZeRO shards in infinity]
+Every unit's trainable range ``[0, trainable_numel)`` is padded to a multiple
+of the world size (``Layout(pad_to=world)``) and cut into equal shards; rank r
+owns ``[r*S, (r+1)*S)``. Stage 1 keeps the fp32 master and the Adam moments for
+the own shard only; gradients accumulate in full on every rank and are
+reduce-scattered once per step. Stage 2 also drops full gradients: in the last
+backward of the accumulation window each unit's gradients are reduce-scattered
+as soon as the unit's last gradient has left the device, and only the shard
+stays (with ``overlap="backward"`` its update then runs during backward).
+After the updates each rank all-gathers the new compute copies. Collectives
+are issued from the thread that runs forward and backward, in program order,
+so every rank issues the same sequence. The gradient sum's 1/world is folded
+into the update kernel's ``grad_scale``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .stats import Stats
+
+__all__ = ["Sharding"]
+
+# torch >= 2.10 names these *_single; older releases have only *_tensor.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Sharding:
+    """Mechanism: the collectives of ZeRO over one process group, with byte counters."""
+
+    def __init__(self, stage: int, stats: Stats, group=None):
+        if stage > 0 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"Config.zero_stage={stage} needs torch.distributed to be initialised "
+                               "(launch with torchrun and call torch.distributed.init_process_group first)")
+        self.stage = stage
+        self.group = group
+        self.world = dist.get_world_size(group) if stage > 0 else 1
+        self.rank = dist.get_rank(group) if stage > 0 else 0
+        self.stats = stats
+
+    def shard(self, numel: int) -> Tuple[int, int]:
+        """(lo, hi) element range of the own shard of a buffer of ``numel`` (a multiple of world)."""
+        s = numel // self.world
+        return self.rank * s, (self.rank + 1) * s
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        """``out`` (own shard) = sum over ranks of ``full``'s matching shard."""
+        _reduce_scatter(out, full, group=self.group)
+        self.stats.moved("reduce_scatter", full.numel() * full.element_size())
+
+    def all_gather_(self, full: torch.Tensor) -> None:
+        """Fills every shard of ``full`` from its owner (in place: the own shard is the input)."""
+        lo, hi = self.shard(full.numel())
+        _all_gather(full, full[lo:hi], group=self.group)
+        self.stats.moved("all_gather", full.numel() * full.element_size())
+
+    def all_gather(self, shard: torch.Tensor, numel: int) -> torch.Tensor:
+        """A new full tensor of ``numel`` elements gathered from every rank's ``shard``."""
+        full = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+        _all_gather(full, shard.contiguous(), group=self.group)
+        return full
+
+    def sum(self, x: float) -> float:
+        """Sum of a Python float over the ranks (norms, overflow checks)."""
+        if self.world == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return float(t.item())
