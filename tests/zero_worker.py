@@ -49,3 +49,22 @@ def run(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
             infinity.close(model)
     finally:
         dist.destroy_process_group()
+
+
+def mismatch(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Rank 1 builds a different model: initialize must fail on every rank."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = infinity.Config(device="cpu", dtype="fp32", host_memory="256MiB", zero_stage=1,
+                              prefetch_depth=1 + rank)
+        try:
+            infinity.initialize(small_gpt(n_layer=8 if rank == 0 else 6), cfg)
+            msg = "no error"
+        except ValueError as e:
+            msg = str(e)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(msg)
+    finally:
+        dist.destroy_process_group()

@@ -70,6 +70,14 @@ class Engine:
         self._closed = False
         self.sharding = Sharding(config.zero_stage, self.stats)
         self.zero = config.zero_stage
+        if self.sharding.world > 1 and (self.params_nvme or self.opt_nvme):
+            raise ValueError("initialize: NVMe offload across several data-parallel ranks is not available yet "
+                             "in this version; use offload 'host' or 'none' with torch.distributed")
+        if self.sharding.world > 1:
+            desc = {f"config.{k}": v for k, v in config.to_dict().items() if k != "swap_paths"}
+            desc.update({f"param {n}": (tuple(p.shape), p.requires_grad)
+                         for n, p in model.named_parameters(remove_duplicate=False)})
+            self.sharding.check_same(desc)
         self.units = self._build_units(model, config, group_of)
         self.param_slot: Dict[int, Tuple[Unit, int]] = {}
         for u in self.units:
@@ -107,12 +115,12 @@ class Engine:
             if pid not in assigned:
                 root.append((owners[pid][0], p))
         units: List[Unit] = []
-        root_unit = Unit(0, "<root>", [model], Layout(root, group_of, self.sharding.world), is_root=True)
+        root_unit = Unit(0, "<root>", [model], Layout(root, group_of, self.sharding.shards), is_root=True)
         units.append(root_unit)
         for ui, (uname, umod) in enumerate(unit_mods):
             if not per_unit[ui]:
                 continue
-            units.append(Unit(len(units), uname, [umod], Layout(per_unit[ui], group_of, self.sharding.world),
+            units.append(Unit(len(units), uname, [umod], Layout(per_unit[ui], group_of, self.sharding.shards),
                               is_root=False))
         return units
 

@@ -77,6 +77,10 @@ class InfinityOptimizer(torch.optim.Optimizer):
         [Note: ZeRO shards in infinity]); stage 2 frees the full buffer."""
         eng = self.engine
         eng.wait_grads(u)
+        if not eng.zero:  # plain data parallelism: every rank keeps the summed gradients
+            eng.sharding.all_reduce_(u.grad)
+            u.grad_reduced = True
+            return
         if u.grad is None:  # no gradient on this rank: contribute zeros
             eng.acquire_grad(u)
         eng.sharding.reduce_scatter(u.grad_shard, u.grad)
@@ -87,7 +91,8 @@ class InfinityOptimizer(torch.optim.Optimizer):
     def _on_unit_grads(self, u: Unit) -> None:
         eng = self.engine
         last = eng.micro_batches + 1 == eng.config.grad_accumulation_steps
-        if eng.zero == 2 and last and u.trainable_numel and not u.grad_reduced:
+        dp = eng.sharding.world > 1
+        if dp and eng.zero != 1 and last and u.trainable_numel and not u.grad_reduced:
             self._reduce(u)  # in program order on every rank
         early = (self.overlap == "backward" and self.max_grad_norm is None and not self.fp16
                  and last and eng.zero != 1
@@ -189,7 +194,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
                     sq += n * n
             if eng.opt_nvme:
                 eng.drop_loaded_grad(u)
-        norm = math.sqrt(eng.sharding.sum(sq)) / world
+        norm = math.sqrt(eng.sharding.sum_shards(sq)) / world
         if not math.isfinite(norm):
             self.last_grad_norm = norm
             return True, inv
@@ -223,9 +228,9 @@ class InfinityOptimizer(torch.optim.Optimizer):
                 u.opt_ticket = None
         eng.stats.optimizer_wait_seconds += time.perf_counter() - t0
         eng.drain_grads()
-        if eng.zero:
+        if eng.sharding.world > 1:
             for u in eng.units:  # same order on every rank
-                if u.trainable_numel and not u.grad_reduced:
+                if u.trainable_numel and not u.grad_reduced and u.index not in self._stepped_early:
                     self._reduce(u)
         todo = [u for u in eng.units if u.index not in self._stepped_early and u.trainable_numel]
         skip, scale = self._global_scale([(u, u.grad_shard if eng.zero else u.grad, u.grad_written)

@@ -35,17 +35,24 @@ class Sharding:
     """Mechanism: the collectives of ZeRO over one process group, with byte counters."""
 
     def __init__(self, stage: int, stats: Stats, group=None):
-        if stage > 0 and not (dist.is_available() and dist.is_initialized()):
+        initialised = dist.is_available() and dist.is_initialized()
+        if stage > 0 and not initialised:
             raise RuntimeError(f"Config.zero_stage={stage} needs torch.distributed to be initialised "
                                "(launch with torchrun and call torch.distributed.init_process_group first)")
         self.stage = stage
         self.group = group
-        self.world = dist.get_world_size(group) if stage > 0 else 1
-        self.rank = dist.get_rank(group) if stage > 0 else 0
+        # Data-parallel ranks: stage 0 over several ranks is plain data
+        # parallelism (gradients all-reduced, nothing sharded).
+        self.world = dist.get_world_size(group) if initialised else 1
+        self.rank = dist.get_rank(group) if initialised else 0
+        self.sharded = stage > 0
+        self.shards = self.world if self.sharded else 1  # what buffers are padded to and split into
         self.stats = stats
 
     def shard(self, numel: int) -> Tuple[int, int]:
         """(lo, hi) element range of the own shard of a buffer of ``numel`` (a multiple of world)."""
+        if not self.sharded:
+            return 0, numel
         s = numel // self.world
         return self.rank * s, (self.rank + 1) * s
 
@@ -66,8 +73,37 @@ class Sharding:
         _all_gather(full, shard.contiguous(), group=self.group)
         return full
 
+    def check_same(self, what: dict) -> None:
+        """Raises on every rank, naming the rank and the keys that differ, unless
+        ``what`` (config and model description) is equal on all ranks."""
+        if self.world == 1:
+            return
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, what, group=self.group)
+        diffs = []
+        for r, other in enumerate(everyone):
+            keys = sorted(k for k in set(other) | set(everyone[0]) if other.get(k) != everyone[0].get(k))
+            if keys:
+                diffs.append(f"rank {r} differs from rank 0 in {keys[:5]}"
+                             + (f" (rank 0: {everyone[0].get(keys[0])!r}, rank {r}: {other.get(keys[0])!r})"))
+        if diffs:
+            raise ValueError("initialize: the ranks were given different configurations or models: "
+                             + "; ".join(diffs))
+
+    def all_reduce_(self, t: torch.Tensor) -> None:
+        """``t`` = sum over ranks of ``t`` (stage 0: data-parallel gradients)."""
+        dist.all_reduce(t, group=self.group)
+        # Counted as a reduce-scatter plus an all-gather (2x the bytes), the
+        # convention of the ZeRO paper's communication volumes.
+        self.stats.moved("all_reduce", 2 * t.numel() * t.element_size())
+
+    def sum_shards(self, x: float) -> float:
+        """Sum over the ranks of a per-shard float (norms, overflow checks);
+        unchanged when nothing is sharded (every rank holds every gradient)."""
+        return self.sum(x) if self.sharded else x
+
     def sum(self, x: float) -> float:
-        """Sum of a Python float over the ranks (norms, overflow checks)."""
+        """Sum of a Python float over the ranks."""
         if self.world == 1:
             return x
         t = torch.tensor([x], dtype=torch.float64)
