@@ -169,7 +169,7 @@ def _state_bytes(eng: Engine) -> Dict[str, int]:
             t = getattr(u, kind)
             if t is not None:
                 out[kind] += t.numel() * t.element_size()
-        for t in ({u.grad_shard} if eng.zero == 2 else {u.grad, u.grad_shard}) - {None}:
+        for t in ({u.grad_shard} if eng.zero >= 2 else {u.grad, u.grad_shard}) - {None}:
             out["grad"] += t.numel() * t.element_size()
     return out
 

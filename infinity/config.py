@@ -103,7 +103,8 @@ class Config:
         ``overlap="backward"`` needs it (to know which backward is the last);
         other modes accumulate any number of backward passes.
     zero_stage: ZeRO stage over the default torch.distributed process group:
-        0 (no sharding), 1 (optimizer state sharded), 2 (and gradients).
+        0 (no sharding), 1 (optimizer state sharded), 2 (and gradients),
+        3 (and the parameters, all-gathered onto the device before use).
     unit_classes: module class names (or classes) that form a paging unit.
         Default: each child of every ``nn.ModuleList``. The parameters not
         in any unit form the root unit, resident during forward and backward.
@@ -211,9 +212,9 @@ class Config:
             for c in self.unit_classes:
                 if not isinstance(c, (str, type)):
                     raise TypeError(f"Config.unit_classes: {c!r} is neither a class nor a class name")
-        if self.zero_stage == 3:
-            raise ValueError("Config.zero_stage=3 (sharded parameters) is not available yet in this version; "
-                             "use zero_stage 0, 1 or 2")
+        if self.zero_stage == 3 and self.offload_params != "host":
+            raise ValueError("Config.zero_stage=3 shards the parameters' home copy over the ranks' host tiers: "
+                             "it needs offload_params='host' in this version")
         if self.zero_stage > 0 and (self.offload_optimizer != "host" or self.offload_params == "nvme"
                                     or self.overlap == "delayed"):
             raise ValueError(f"Config.zero_stage={self.zero_stage} works with offload_optimizer='host', "

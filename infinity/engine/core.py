@@ -186,7 +186,8 @@ class Engine:
             tb = _round_pool(_nbytes(u.trainable_numel, torch.float32)) if u.trainable_numel else 0
             largest_c, largest_t = max(largest_c, cb), max(largest_t, tb)
             if self._compute_home_host():
-                perm += cb * (2 if delayed else 1)
+                perm += (_round_pool(self._compute_bytes(u) // self.sharding.world) if self.zero == 3
+                         else cb * (2 if delayed else 1))
             if self.params_nvme:
                 cache_all += cb
                 nvme_need += cb
@@ -194,7 +195,7 @@ class Engine:
                 if self.zero:
                     sb = _round_pool(tb // self.sharding.world)
                     perm += 4 * sb + (tb if self.zero == 1 else 0)
-                    if self.zero == 2:  # full gradients live from the unit's first gradient to its reduction
+                    if self.zero >= 2:  # full gradients live from the unit's first gradient to its reduction
                         zero_transient += tb
                 else:
                     perm += tb * (5 if delayed else 4)
@@ -211,7 +212,7 @@ class Engine:
             # Two units' master, moments and gradients in the pipeline, and
             # the gradients of the unit whose backward is running.
             minimum += 9 * largest_t + largest_c
-        if self.zero == 2 and cfg.grad_accumulation_steps == 1:
+        if self.zero >= 2 and cfg.grad_accumulation_steps == 1:
             zero_transient = min(zero_transient, 3 * largest_t)  # a few units' gradients at a time
         minimum += min(zero_transient, 2 * largest_t)
         capacity = perm + (cache_all + 9 * largest_t + largest_c if self.nvme_used else 0) + zero_transient
@@ -277,7 +278,8 @@ class Engine:
         host = self.host_tier
         n, tn = u.compute_numel, u.trainable_numel
         if self._compute_home_host():
-            u.host_compute = host.alloc(n, self.dtype)
+            # Stage 3: this rank's shard only (see Sharding.gather_units_params).
+            u.host_compute = host.alloc(n // self.sharding.world if self.zero == 3 else n, self.dtype)
         if tn:
             if self.opt_nvme:
                 u.moments_fresh = True  # first step starts from zero moments: nothing to read
@@ -310,8 +312,13 @@ class Engine:
                                  f"expected {s.numel} (shape {tuple(s.shape)})")
             if s.trainable and master_full is not None:
                 master_full[s.offset:s.offset + s.numel].copy_(src)
-            if u.host_compute is not None:
+            if u.host_compute is not None and self.zero != 3:
                 u.host_compute[s.offset:s.offset + s.numel].copy_(src)
+        if self.zero == 3:
+            full = torch.zeros(n, dtype=self.dtype)
+            for s, src in zip(u.layout.slots, originals):
+                full[s.offset:s.offset + s.numel].copy_(src)
+            u.host_compute.copy_(self.sharding.shard_of_params(full, tn))
         if self.zero and tn:
             lo, hi = self.sharding.shard(tn)
             u.master.copy_(master_full[lo:hi])
@@ -388,6 +395,8 @@ class Engine:
         if self.zero and master is not None:
             lo, hi = self.sharding.shard(u.trainable_numel)
             u.master.copy_(master[lo:hi])
+        if self.zero == 3:
+            u.host_compute.copy_(self.sharding.shard_of_params(home, u.trainable_numel))
         if self.params_nvme:
             with self._host_lock:
                 if u.host_busy is not None:
@@ -448,13 +457,16 @@ class Engine:
         u.dev_range = off
         u.dev_compute = self.device_tier.view(off, u.compute_numel, self.dtype)
         read = self._cache_load(u) if self.params_nvme else None
-        if read is not None:
+        if self.zero == 3:
+            u.fetch_ticket = self.sharding.gather_units_params(u.dev_compute, u.host_compute, u.trainable_numel)
+        elif read is not None:
             dev, host = u.dev_compute, u.host_compute
             u.fetch_ticket = self.mover.chain(read.wait, lambda: self.mover.h2d(dev, host))
         else:
             u.fetch_ticket = self.mover.h2d(u.dev_compute, u.host_compute)
         u.host_busy = u.fetch_ticket
-        self.stats.moved("h2d", self._compute_bytes(u))
+        self.stats.moved("h2d", self._compute_bytes(u) // self.sharding.world if self.zero == 3
+                         else self._compute_bytes(u))
         self._internal += 1
         try:
             self._attach_params(u)
@@ -894,6 +906,10 @@ class Engine:
         "compute") as a CPU tensor, from wherever it lives (a temporary copy
         for NVMe homes); None if the unit has no such buffer."""
         if kind == "compute":
+            if self.zero == 3:  # every rank must call this
+                full = torch.empty(u.compute_numel, dtype=self.dtype)
+                self.sharding.gather_units_params(full, u.host_compute, u.trainable_numel).wait()
+                return full
             t = u.host_compute if u.host_compute is not None else (u.dev_compute if u.permanent else None)
             if t is not None:
                 return t

@@ -84,7 +84,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         if u.grad is None:  # no gradient on this rank: contribute zeros
             eng.acquire_grad(u)
         eng.sharding.reduce_scatter(u.grad_shard, u.grad)
-        if eng.zero == 2:
+        if eng.zero >= 2:
             eng.release_grad(u)
         u.grad_reduced = True
 
@@ -245,7 +245,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
                 for u in todo:
                     out = u.host_compute if eng.host_optimizer else None
                     self._unit_step(u, u.grad_shard if eng.zero else u.grad, list(u.grad_written), out, scale)
-            if eng.zero:  # every rank gets the new compute copies of every shard
+            if eng.zero in (1, 2):  # every rank gets the new compute copies of every shard
                 for u in eng.units:
                     if u.trainable_numel:
                         eng.sharding.all_gather_(u.host_compute[:u.trainable_numel])
@@ -296,7 +296,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         eng.invalidate_device_copies()
 
     def _consume(self, u: Unit) -> None:
-        if self.engine.opt_nvme or self.engine.zero == 2:
+        if self.engine.opt_nvme or self.engine.zero >= 2:
             self.engine.release_grad(u)
         u.grad_reduced = False
         if u.grad_state is not GradState.CLEAN:
@@ -425,7 +425,10 @@ class InfinityOptimizer(torch.optim.Optimizer):
             gs = [grad[a:b] for a, b in gr]
             ms = [u.exp_avg[a:b] for a, b in st]
             vs = [u.exp_avg_sq[a:b] for a, b in st]
-            outs = [out[a:b] for a, b in ranges] if out is not None else None
+            if out is not None and self.engine.zero == 3:
+                outs = [out[a:b] for a, b in st]  # the home copy is the shard, trainable part first
+            else:
+                outs = [out[a:b] for a, b in ranges] if out is not None else None
             if u.master.device.type == "cuda":
                 self._device_step(ps, gs, ms, vs, step + 1, g, grad_scale)
             else:

@@ -97,6 +97,33 @@ class Sharding:
         # convention of the ZeRO paper's communication volumes.
         self.stats.moved("all_reduce", 2 * t.numel() * t.element_size())
 
+    def gather_units_params(self, full: torch.Tensor, shard: torch.Tensor, trainable: int) -> "GatherTicket":
+        """Stage 3: fills a unit's full compute copy ``full`` (device) from every
+        rank's ``shard`` (host: its trainable shard, then its frozen shard).
+        The trainable and frozen regions are gathered separately so the
+        trainable shard lines up with the optimizer's shard. Asynchronous."""
+        works = []
+        pos = 0
+        for a, b in ((0, trainable), (trainable, full.numel())):
+            if b <= a:
+                continue
+            k = (b - a) // self.world
+            lo = a + self.rank * k
+            full[lo:lo + k].copy_(shard[pos:pos + k], non_blocking=True)
+            pos += k
+            works.append(_all_gather(full[a:b], full[lo:lo + k], group=self.group, async_op=True))
+            self.stats.moved("all_gather", (b - a) * full.element_size())
+        return GatherTicket(works)
+
+    def shard_of_params(self, full: torch.Tensor, trainable: int) -> torch.Tensor:
+        """Stage 3: this rank's shard of a full compute copy (layout of :meth:`gather_units_params`)."""
+        parts = []
+        for a, b in ((0, trainable), (trainable, full.numel())):
+            if b > a:
+                k = (b - a) // self.world
+                parts.append(full[a + self.rank * k:a + (self.rank + 1) * k])
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
     def sum_shards(self, x: float) -> float:
         """Sum over the ranks of a per-shard float (norms, overflow checks);
         unchanged when nothing is sharded (every rank holds every gradient)."""
@@ -109,3 +136,20 @@ class Sharding:
         t = torch.tensor([x], dtype=torch.float64)
         dist.all_reduce(t, group=self.group)
         return float(t.item())
+
+
+class GatherTicket:
+    """Completion of asynchronous collectives (stage 3 parameter gathers)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+    def wait_compute(self) -> None:
+        self.wait()
