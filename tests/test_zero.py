@@ -98,3 +98,13 @@ def test_mismatched_config_or_model_is_reported_on_every_rank(tmp_path):
         msg = (tmp_path / f"rank{r}.txt").read_text()
         assert "rank 1 differs from rank 0" in msg, msg
         assert "config.prefetch_depth" in msg or "param blocks.6" in msg, msg
+
+
+def test_a_failing_rank_ends_the_others_in_bounded_time(tmp_path):
+    port = random.randint(20000, 40000)
+    mp.spawn(zero_worker.crash, args=(WORLD, port, str(tmp_path)), nprocs=WORLD, join=True)
+    t1, msg1 = (tmp_path / "rank1.txt").read_text().split("\n", 1)
+    t0, msg0 = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert "injected failure" in msg1
+    assert msg0 != "finished", "rank 0 kept going after rank 1 failed"
+    assert float(t0) < 60, f"rank 0 took {t0} s to notice"

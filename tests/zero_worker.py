@@ -68,3 +68,30 @@ def mismatch(rank: int, world: int, port: int, out_dir: str) -> None:
             f.write(msg)
     finally:
         dist.destroy_process_group()
+
+
+def crash(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Rank 1 raises in the middle of a step; rank 0 must fail too, soon."""
+    import datetime
+    import time
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    cfg = infinity.Config(device="cpu", dtype="fp32", host_memory="256MiB", zero_stage=2, overlap="backward")
+    model, opt = infinity.initialize(small_gpt(), cfg)
+    x, y = batches(1, b=world)[0]
+    t0 = time.perf_counter()
+    try:
+        for step in range(3):
+            loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
+            if rank == 1 and step == 1:
+                raise RuntimeError("injected failure on rank 1")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        msg = "finished"
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank saw
+        msg = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{time.perf_counter() - t0:.1f}\n{msg}")
+    os._exit(0)  # like a crashed job: no orderly shutdown
