@@ -212,13 +212,15 @@ class Config:
             for c in self.unit_classes:
                 if not isinstance(c, (str, type)):
                     raise TypeError(f"Config.unit_classes: {c!r} is neither a class nor a class name")
-        if self.zero_stage == 3 and self.offload_params != "host":
-            raise ValueError("Config.zero_stage=3 shards the parameters' home copy over the ranks' host tiers: "
-                             "it needs offload_params='host' in this version")
-        if self.zero_stage > 0 and (self.offload_optimizer != "host" or self.offload_params == "nvme"
-                                    or self.overlap == "delayed"):
-            raise ValueError(f"Config.zero_stage={self.zero_stage} works with offload_optimizer='host', "
-                             "offload_params 'none' or 'host' and overlap 'step' or 'backward' in this version")
+        if self.zero_stage == 3 and self.offload_params not in ("host", "nvme"):
+            raise ValueError("Config.zero_stage=3 shards the parameters' home copy over the ranks' host or NVMe "
+                             "tiers: it needs offload_params 'host' or 'nvme'")
+        if self.zero_stage > 0 and (self.offload_optimizer == "none" or self.overlap == "delayed"):
+            raise ValueError(f"Config.zero_stage={self.zero_stage} works with offload_optimizer 'host' or "
+                             "'nvme' and overlap 'step' or 'backward' in this version")
+        if self.zero_stage in (1, 2) and self.offload_params == "nvme":
+            raise ValueError(f"Config.zero_stage={self.zero_stage} with offload_params='nvme' is not available "
+                             "in this version; use zero_stage=3 (parameters sharded) with NVMe parameters")
         if self.overlap == "delayed" and self.offload_optimizer == "none":
             raise ValueError("Config.overlap='delayed' needs offload_optimizer='host': the delayed update is "
                              "the CPU optimizer running beside the next step's compute")

@@ -21,6 +21,9 @@ CASES = [
     dict(stage=2, steps=6, clip=0.05, accum=2),
     dict(stage=3, steps=8),
     dict(stage=3, steps=6, overlap="backward", clip=0.05, accum=2),
+    dict(stage=3, steps=6, params="nvme", opt="nvme"),
+    dict(stage=3, steps=6, params="nvme", opt="nvme", overlap="backward"),
+    dict(stage=2, steps=6, opt="nvme", overlap="backward"),
 ]
 
 
@@ -108,3 +111,14 @@ def test_a_failing_rank_ends_the_others_in_bounded_time(tmp_path):
     assert "injected failure" in msg1
     assert msg0 != "finished", "rank 0 kept going after rank 1 failed"
     assert float(t0) < 60, f"rank 0 took {t0} s to notice"
+
+
+@pytest.mark.parametrize("ci", [8, 9, 10])
+def test_zero_nvme_uses_the_swap_files_of_each_rank(zero_results, ci):
+    s = zero_results[ci]["stats"]
+    n = sum(p.numel() for p in small_gpt().parameters())
+    assert s["bytes_moved"]["nvme_write"] > 0
+    # This rank's swap files hold its shards: master + two moments (1/N each),
+    # plus its shard of the compute copy when the parameters live on NVMe.
+    expect = 3 * 4 * n / WORLD + (4 * n / WORLD if CASES[ci].get("params") == "nvme" else 0)
+    assert expect <= s["peak_bytes"]["nvme"] <= expect * 1.1, (s["peak_bytes"]["nvme"], expect)

@@ -23,6 +23,8 @@ def run(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
             cfg = infinity.Config(device="cpu", dtype="fp32", device_memory=dev,
                                   host_memory="256MiB", zero_stage=case["stage"],
                                   offload_params=case.get("params", "host"), overlap=case.get("overlap", "step"),
+                                  offload_optimizer=case.get("opt", "host"),
+                                  swap_paths=[os.path.join(out_dir, f"swap{ci}")],
                                   max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1))
             model, opt = infinity.initialize(small_gpt(), cfg, lr=1e-3, weight_decay=0.1)
             accum, steps = case.get("accum", 1), case["steps"]

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..config import Config, format_bytes
 from ..io.errors import PoolExhausted
-from .mover import Ticket, done_ticket, make_mover
+from .mover import DeferredTicket, Ticket, done_ticket, make_mover
 from .nvme import NvmeTier, key as swap_key
 from .zero import Sharding
 from .state import DeviceState, GradState, transition
@@ -70,9 +70,9 @@ class Engine:
         self._closed = False
         self.sharding = Sharding(config.zero_stage, self.stats)
         self.zero = config.zero_stage
-        if self.sharding.world > 1 and (self.params_nvme or self.opt_nvme):
-            raise ValueError("initialize: NVMe offload across several data-parallel ranks is not available yet "
-                             "in this version; use offload 'host' or 'none' with torch.distributed")
+        if self.sharding.world > 1 and not self.zero and (self.params_nvme or self.opt_nvme):
+            raise ValueError("initialize: NVMe offload with plain data parallelism (zero_stage=0 on several "
+                             "ranks) is not available; use zero_stage 1-3 to shard the state over the ranks")
         if self.sharding.world > 1:
             desc = {f"config.{k}": v for k, v in config.to_dict().items() if k != "swap_paths"}
             desc.update({f"param {n}": (tuple(p.shape), p.requires_grad)
@@ -189,19 +189,23 @@ class Engine:
                 perm += (_round_pool(self._compute_bytes(u) // self.sharding.world) if self.zero == 3
                          else cb * (2 if delayed else 1))
             if self.params_nvme:
-                cache_all += cb
-                nvme_need += cb
-            if self.host_optimizer and not self.opt_nvme and u.trainable_numel:
+                hb = _round_pool(_nbytes(self.home_compute_numel(u), self.dtype))
+                cache_all += hb
+                nvme_need += hb
+            sb = _round_pool(tb // self.sharding.world) if self.zero else tb
+            if self.host_optimizer and u.trainable_numel:
                 if self.zero:
-                    sb = _round_pool(tb // self.sharding.world)
-                    perm += 4 * sb + (tb if self.zero == 1 else 0)
+                    # Gradient shard (+ full gradients for stage 1) on the host;
+                    # master and moments too unless they live on NVMe.
+                    perm += sb + (tb if self.zero == 1 else 0) + (0 if self.opt_nvme else 3 * sb)
                     if self.zero >= 2:  # full gradients live from the unit's first gradient to its reduction
                         zero_transient += tb
-                else:
+                elif not self.opt_nvme:
                     perm += tb * (5 if delayed else 4)
             if self.opt_nvme and u.trainable_numel:
-                cache_all += 4 * tb
-                nvme_need += 4 * tb
+                k = 3 if self.zero else 4  # ZeRO keeps its gradient shard on the host
+                cache_all += k * sb
+                nvme_need += k * sb
         host_budget = cfg.host_memory
         if host_budget is None:
             host_budget = int(_available_ram() * 0.8)
@@ -221,7 +225,8 @@ class Engine:
         if self.nvme_used:
             keys = len(self.units) * 5
             slack = 2 * 4096 * keys * len(cfg.swap_paths) + 64 * 4096
-            self.nvme = NvmeTier(cfg.swap_paths, nvme_need + slack, self.stats, block_size=cfg.swap_block_size,
+            self.nvme = NvmeTier(cfg.swap_paths, nvme_need + slack, self.stats, rank=self.sharding.rank,
+                                 block_size=cfg.swap_block_size,
                                  queue_depth=cfg.swap_queue_depth, backend=cfg.swap_backend,
                                  checksum=cfg.swap_checksum)
             weakref.finalize(self, self.nvme.close)
@@ -261,6 +266,14 @@ class Engine:
                         nb = nb.to(self.dtype)
                     mod._buffers[name] = nb
 
+    def home_compute_numel(self, u: Unit) -> int:
+        """Elements of ``u``'s home compute copy on this rank (its shard under ZeRO-3)."""
+        return u.compute_numel // self.sharding.world if self.zero == 3 else u.compute_numel
+
+    def state_numel(self, u: Unit) -> int:
+        """Elements of ``u``'s fp32 master and moments on this rank (its shard under ZeRO)."""
+        return u.trainable_numel // self.sharding.world if self.zero else u.trainable_numel
+
     @property
     def nvme_used(self) -> bool:
         return self.params_nvme or self.opt_nvme
@@ -283,6 +296,10 @@ class Engine:
         if tn:
             if self.opt_nvme:
                 u.moments_fresh = True  # first step starts from zero moments: nothing to read
+                if self.zero:
+                    u.grad_shard = host.alloc(tn // self.sharding.world, torch.float32)
+                    if self.zero == 1:
+                        u.grad = host.alloc(tn, torch.float32)
             elif self.host_optimizer and self.zero:
                 # See [Note: ZeRO shards in infinity].
                 sn = tn // self.sharding.world
@@ -304,8 +321,8 @@ class Engine:
                 u.master, u.exp_avg, u.exp_avg_sq, u.grad = mk(), mk(), mk(), mk()
         originals = [t.detach().reshape(-1) for t in originals]
         master_full = u.master
-        if self.zero and tn:
-            master_full = torch.zeros(tn, dtype=torch.float32)  # the own shard is kept below
+        if (self.zero or self.opt_nvme) and tn:
+            master_full = torch.zeros(tn, dtype=torch.float32)  # the own shard (or NVMe copy) is kept below
         for s, src in zip(u.layout.slots, originals):
             if src.numel() != s.numel:
                 raise ValueError(f"unit {u.name!r}: value for {s.name!r} has {src.numel()} elements, "
@@ -314,25 +331,24 @@ class Engine:
                 master_full[s.offset:s.offset + s.numel].copy_(src)
             if u.host_compute is not None and self.zero != 3:
                 u.host_compute[s.offset:s.offset + s.numel].copy_(src)
-        if self.zero == 3:
+        if self.zero == 3 and u.host_compute is not None:
             full = torch.zeros(n, dtype=self.dtype)
             for s, src in zip(u.layout.slots, originals):
                 full[s.offset:s.offset + s.numel].copy_(src)
             u.host_compute.copy_(self.sharding.shard_of_params(full, tn))
-        if self.zero and tn:
+        if tn and master_full is not u.master:
             lo, hi = self.sharding.shard(tn)
-            u.master.copy_(master_full[lo:hi])
-        if self.opt_nvme and tn:
-            master, buf = self._host_acquire(tn, torch.float32, zero=True)
-            for s, src in zip(u.layout.slots, originals):
-                if s.trainable:
-                    master[s.offset:s.offset + s.numel].copy_(src)
-            self.nvme.write(swap_key(u.index, "master"), master).wait()
-            self.host_tier.release(buf)
+            own = master_full[lo:hi]
+            if self.opt_nvme:
+                self.nvme.write(swap_key(u.index, "master"), own).wait()
+            else:
+                u.master.copy_(own)
         if self.params_nvme:
-            comp, buf = self._host_acquire(n, self.dtype, zero=True)
+            full = torch.zeros(n, dtype=self.dtype)
             for s, src in zip(u.layout.slots, originals):
-                comp[s.offset:s.offset + s.numel].copy_(src)
+                full[s.offset:s.offset + s.numel].copy_(src)
+            comp, buf = self._host_acquire(self.home_compute_numel(u), self.dtype)
+            comp.copy_(self.sharding.shard_of_params(full, tn) if self.zero == 3 else full)
             self.nvme.write(swap_key(u.index, "compute"), comp).wait()
             with self._host_lock:
                 u.host_compute, u.host_buf = comp, buf  # stays cached while the budget has room
@@ -390,13 +406,16 @@ class Engine:
                 master[sl].copy_(src)
             for c in computes:
                 c[sl].copy_(src)
-        if self.opt_nvme and master is not None:
-            self.nvme.write(swap_key(u.index, "master"), master).wait()
-        if self.zero and master is not None:
+        if master is not None:
             lo, hi = self.sharding.shard(u.trainable_numel)
-            u.master.copy_(master[lo:hi])
+            if self.opt_nvme:
+                self.nvme.write(swap_key(u.index, "master"), master[lo:hi].clone()).wait()
+            elif self.zero:
+                u.master.copy_(master[lo:hi])
         if self.zero == 3:
-            u.host_compute.copy_(self.sharding.shard_of_params(home, u.trainable_numel))
+            home = self.sharding.shard_of_params(home, u.trainable_numel)
+            if u.host_compute is not None:
+                u.host_compute.copy_(home)
         if self.params_nvme:
             with self._host_lock:
                 if u.host_busy is not None:
@@ -457,7 +476,13 @@ class Engine:
         u.dev_range = off
         u.dev_compute = self.device_tier.view(off, u.compute_numel, self.dtype)
         read = self._cache_load(u) if self.params_nvme else None
-        if self.zero == 3:
+        if self.zero == 3 and read is not None:
+            # The NVMe read starts now; the gather is issued when compute needs
+            # the unit, from the thread that issues every collective, so all
+            # ranks issue them in the same order (see [Note: ZeRO shards in infinity]).
+            dev, host, tn = u.dev_compute, u.host_compute, u.trainable_numel
+            u.fetch_ticket = DeferredTicket(read.wait, lambda: self.sharding.gather_units_params(dev, host, tn))
+        elif self.zero == 3:
             u.fetch_ticket = self.sharding.gather_units_params(u.dev_compute, u.host_compute, u.trainable_numel)
         elif read is not None:
             dev, host = u.dev_compute, u.host_compute
@@ -589,7 +614,7 @@ class Engine:
         with self._host_lock:
             if u.host_compute is not None:
                 return None
-            comp, buf = self._host_acquire(u.compute_numel, self.dtype, protect=u)
+            comp, buf = self._host_acquire(self.home_compute_numel(u), self.dtype, protect=u)
             u.host_compute, u.host_buf = comp, buf
             return self.nvme.read(swap_key(u.index, "compute"), comp)
 
@@ -831,7 +856,7 @@ class Engine:
             if u.opt_pending is not None:
                 handles, u.opt_pending = u.opt_pending, None
                 return handles
-            tn = u.trainable_numel
+            tn = self.state_numel(u)
             handles = []
             bufs = []
             for kind in ("master", "exp_avg", "exp_avg_sq"):
@@ -850,7 +875,7 @@ class Engine:
         with self._host_lock:
             if u.opt_pending is not None or u.opt_bufs or not u.trainable_numel:
                 return False
-            need = 3 * _round_pool(_nbytes(u.trainable_numel, torch.float32))
+            need = 3 * _round_pool(_nbytes(self.state_numel(u), torch.float32))
             if self.host_tier.free_bytes < need + _round_pool(_nbytes(u.trainable_numel, torch.float32)):
                 return False  # keep room for the gradients arriving meanwhile
             try:
@@ -869,6 +894,8 @@ class Engine:
                     read = self._cache_load(u)  # frozen parameters must be there too
                     read.wait()
                 else:
+                    if isinstance(u.host_busy, DeferredTicket) and u.host_busy.inner is None:
+                        raise RuntimeError(f"internal: unit {u.name!r} updated while its fetch is pending")
                     u.host_busy.wait()
             if u.host_write is not None:
                 u.host_write.wait()
@@ -907,8 +934,12 @@ class Engine:
         for NVMe homes); None if the unit has no such buffer."""
         if kind == "compute":
             if self.zero == 3:  # every rank must call this
+                shard = u.host_compute
+                if shard is None:
+                    shard = torch.empty(self.home_compute_numel(u), dtype=self.dtype)
+                    self.nvme.read(swap_key(u.index, "compute"), shard).wait()
                 full = torch.empty(u.compute_numel, dtype=self.dtype)
-                self.sharding.gather_units_params(full, u.host_compute, u.trainable_numel).wait()
+                self.sharding.gather_units_params(full, shard, u.trainable_numel).wait()
                 return full
             t = u.host_compute if u.host_compute is not None else (u.dev_compute if u.permanent else None)
             if t is not None:
@@ -925,10 +956,11 @@ class Engine:
             return t
         if self.opt_nvme and u.trainable_numel:
             if kind != "master" and u.moments_fresh:
-                return torch.zeros(u.trainable_numel)
-            out = torch.empty(u.trainable_numel, dtype=torch.float32)
-            self.nvme.read(swap_key(u.index, kind), out).wait()
-            return out
+                out = torch.zeros(self.state_numel(u))
+            else:
+                out = torch.empty(self.state_numel(u), dtype=torch.float32)
+                self.nvme.read(swap_key(u.index, kind), out).wait()
+            return self.sharding.all_gather(out, u.trainable_numel) if self.zero else out
         return None
 
     def wait_grads(self, u: Unit) -> None:

@@ -115,6 +115,31 @@ class ChainTicket(Ticket):
         self.fut.result().wait_compute()
 
 
+class DeferredTicket(Ticket):
+    """A host-side wait whose follow-up (a collective) is issued only when
+    compute asks for the data, by the thread that asks."""
+
+    __slots__ = ("first", "then", "inner")
+
+    def __init__(self, first: Callable[[], None], then: Callable[[], Ticket]):
+        self.first, self.then, self.inner = first, then, None
+
+    def _run(self) -> Ticket:
+        if self.inner is None:
+            self.first()
+            self.inner = self.then()
+        return self.inner
+
+    def done(self) -> bool:
+        return self.inner is not None and self.inner.done()
+
+    def wait(self) -> None:
+        self._run().wait()
+
+    def wait_compute(self) -> None:
+        self._run().wait_compute()
+
+
 def _chain(first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
     first()
     return then()

@@ -98,26 +98,24 @@ class InfinityOptimizer(torch.optim.Optimizer):
                  and last and eng.zero != 1
                  and u.index not in self._stepped_early and u.opt_ticket is None)
         if not early:
-            if eng.opt_nvme:
+            if eng.opt_nvme and not eng.zero:
                 eng.spill_grads(u)  # bounded host memory until step()
             return
         self._stepped_early[u.index] = True
-        grad, written = u.grad, list(u.grad_written)
+        grad, written = (u.grad_shard if eng.zero else u.grad), list(u.grad_written)
+        scale = 1.0 / eng.sharding.world  # gradients are sums over the data-parallel ranks
         if eng.opt_nvme:
-            u.grad_claimed = True
+            u.grad_claimed = not eng.zero
 
             def job() -> None:
                 eng.wait_grads(u)
                 for h in eng.opt_load(u):
                     h.wait()
-                self._unit_step(u, grad, written, eng.opt_out(u), 1.0)
+                self._unit_step(u, grad, written, eng.opt_out(u), scale)
                 eng.opt_store(u)
                 eng.release_grad(u)
         else:
             out = u.host_compute if eng.host_optimizer else None
-            if eng.zero:
-                grad = u.grad_shard
-            scale = 1.0 / eng.sharding.world
 
             def job() -> None:
                 eng.wait_grads(u)
@@ -143,7 +141,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
 
     def _on_backward_end(self) -> None:
         eng = self.engine
-        if eng.opt_nvme:
+        if eng.opt_nvme and not eng.zero:
             for u in eng.units:  # units some of whose parameters got no gradient
                 if u.grad is not None and not u.grad_claimed:
                     eng.spill_grads(u)
@@ -263,7 +261,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         eng = self.engine
 
         def load(u: Unit) -> list:
-            hs = [h for h in (eng.load_grad(u, wait=False),) if h is not None]
+            hs = [] if eng.zero else [h for h in (eng.load_grad(u, wait=False),) if h is not None]
             return hs + eng.opt_load(u)
 
         pending = load(todo[0]) if todo else []
@@ -271,8 +269,9 @@ class InfinityOptimizer(torch.optim.Optimizer):
             for h in pending:
                 h.wait()
             pending = load(todo[i + 1]) if i + 1 < len(todo) else []
-            if u.grad is not None:
-                self._unit_step(u, u.grad, list(u.grad_written), eng.opt_out(u), scale)
+            grad = u.grad_shard if eng.zero else u.grad
+            if grad is not None:
+                self._unit_step(u, grad, list(u.grad_written), eng.opt_out(u), scale)
                 eng.opt_store(u)
             else:  # no gradient this step: put the untouched state back
                 eng.opt_store_unchanged(u)
