@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2, help="per rank")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device-memory", default=None,
+                    help="device budget per rank (default: everything fits; a small one makes stage 3 gather "
+                         "units again for backward)")
     ap.add_argument("--json", default="bench-results/bench_zero.json")
     args = ap.parse_args()
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
@@ -56,6 +59,7 @@ def main() -> int:
         model = GPT(GPTConfig(vocab_size=4096, block_size=args.seq, n_layer=args.layers, n_head=6, n_embd=args.embd))
         n = sum(p.numel() for p in model.parameters())
         cfg = infinity.Config(device=args.device, dtype="fp32", host_memory="8GiB", zero_stage=stage,
+                              device_memory=args.device_memory,
                               offload_params="host", offload_optimizer="host", overlap="step")
         model, opt = infinity.initialize(model, cfg, lr=1e-4)
         gen = torch.Generator().manual_seed(rank)
