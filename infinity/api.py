@@ -75,7 +75,7 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
         ps = [p for p in g["params"] if p.requires_grad]
         for p in ps:
             if id(p) in seen:
-                raise ValueError(f"initialize: a parameter appears in more than one of param_groups")
+                raise ValueError("initialize: a parameter appears in more than one of param_groups")
             seen.add(id(p))
         grp = dict(defaults)
         grp.update({k: v for k, v in g.items() if k != "params"})

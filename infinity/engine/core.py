@@ -8,23 +8,22 @@ the tiers' (tiers.py); legal states are state.py's.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import warnings
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..config import Config, format_bytes
 from ..io.errors import PoolExhausted
-from .mover import DeferredTicket, Ticket, done_ticket, make_mover
+from .mover import DeferredTicket, Ticket, make_mover
 from .nvme import NvmeTier, key as swap_key
 from .zero import Sharding
 from .state import DeviceState, GradState, transition
-from .stats import Stats, Timer
+from .stats import Stats
 from .tiers import BudgetError, DeviceTier, HostTier
 from .trace import NEVER, Trace
 from .units import Layout, Unit, partition
@@ -53,6 +52,7 @@ class Engine:
         self.stats = Stats()
         self.trace = Trace()
         self.mover = make_mover(self.device)
+        weakref.finalize(self, self.mover.close, False)  # worker threads end with the engine
         self.host_optimizer = config.offload_optimizer != "none"
         self.params_on_device = config.offload_params == "none"
         self.params_nvme = config.offload_params == "nvme"
@@ -627,7 +627,7 @@ class Engine:
         if u.device_state is DeviceState.ABSENT:
             off = self._alloc_range(u)
             if off is None:
-                self._wait_all_fetches()
+                self._drop_unpinned_fetches()
                 off = self._alloc_range(u)
             if off is None:
                 u.pins -= 1
@@ -642,7 +642,8 @@ class Engine:
         self._prefetch()
         self._wait_fetch(u)
 
-    def _wait_all_fetches(self) -> None:
+    def _drop_unpinned_fetches(self) -> None:
+        """Drops prefetches nobody waits for yet, to make room for a unit needed now."""
         for x in self.units:
             if x.device_state is DeviceState.FETCHING and x.pins == 0:
                 self._evict(x)
@@ -924,8 +925,6 @@ class Engine:
             self.host_tier.release(buf)
         u.opt_bufs = []
         u.master = u.exp_avg = u.exp_avg_sq = None
-        if u.moments_fresh:
-            pass  # still zero: nothing to write
 
     @torch.no_grad()
     def read_kind(self, u: Unit, kind: str) -> Optional[torch.Tensor]:

@@ -145,16 +145,29 @@ def _chain(first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
     return then()
 
 
+def _worker_init() -> None:
+    """Worker threads run torch ops single-threaded: an OpenMP team per worker
+    beside compute's own would oversubscribe the cores, and OpenMP threads
+    spin at barriers, so oversubscription slows compute by orders of
+    magnitude. (torch.set_num_threads is per thread here: compute keeps its
+    threads.)"""
+    torch.set_num_threads(1)
+
+
+def _executor(name: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_worker_init)
+
+
 class CpuMover:
     """Copies between RAM regions on worker threads (device="cpu")."""
 
     is_cuda = False
 
     def __init__(self) -> None:
-        self._h2d = ThreadPoolExecutor(1, thread_name_prefix="infinity-h2d")
-        self._d2h = ThreadPoolExecutor(1, thread_name_prefix="infinity-d2h")
-        self._host = ThreadPoolExecutor(1, thread_name_prefix="infinity-host")
-        self._chain = ThreadPoolExecutor(1, thread_name_prefix="infinity-chain")
+        self._h2d = _executor("infinity-h2d")
+        self._d2h = _executor("infinity-d2h")
+        self._host = _executor("infinity-host")
+        self._chain = _executor("infinity-chain")
 
     def chain(self, first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
         """Runs ``first`` (a host-side wait, e.g. an NVMe read) then starts ``then``'s transfer."""
@@ -184,9 +197,9 @@ class CpuMover:
     def release_marker(self) -> None:
         """See [Note: device range reuse]: nothing to do on the CPU."""
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         for ex in (self._chain, self._h2d, self._d2h, self._host):
-            ex.shutdown(wait=True)
+            ex.shutdown(wait=wait)
 
 
 class CudaMover:
@@ -198,9 +211,9 @@ class CudaMover:
         self.device = device
         self._h2d_stream = torch.cuda.Stream(device)
         self._d2h_stream = torch.cuda.Stream(device)
-        self._host = ThreadPoolExecutor(1, thread_name_prefix="infinity-host")
-        self._grad = ThreadPoolExecutor(1, thread_name_prefix="infinity-grad")
-        self._chain = ThreadPoolExecutor(1, thread_name_prefix="infinity-chain")
+        self._host = _executor("infinity-host")
+        self._grad = _executor("infinity-grad")
+        self._chain = _executor("infinity-chain")
         self._last_release = None
         self._lock = threading.Lock()
 
@@ -260,9 +273,9 @@ class CudaMover:
     def host_job(self, fn: Callable[[], None]) -> Ticket:
         return FutureTicket(self._host.submit(fn))
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         for ex in (self._chain, self._host, self._grad):
-            ex.shutdown(wait=True)
+            ex.shutdown(wait=wait)
 
 
 def make_mover(device: torch.device):

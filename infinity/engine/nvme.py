@@ -20,7 +20,7 @@ and read back by ``step()``.
 from __future__ import annotations
 
 import os
-from typing import Hashable, List, Optional, Sequence
+from typing import Hashable, Sequence
 
 import torch
 

@@ -6,7 +6,7 @@ unit's parameters inside its flat buffers is :class:`Layout`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch

@@ -17,7 +17,7 @@ into the update kernel's ``grad_scale``.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.distributed as dist

@@ -31,14 +31,13 @@ import fcntl
 import os
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Optional, Sequence, Union
 
 import torch
 
 from .engine import ALIGN, READ, WRITE, NativeEngine, crc_count, native_available
-from .errors import ChecksumError, PoolExhausted, StoreLockedError, SwapFullError, SwapIOError
+from .errors import PoolExhausted, StoreLockedError, SwapFullError, SwapIOError
 from .extent_allocator import ExtentAllocator
 from .fallback import PythonEngine
 from .host_pool import HostPool, _warn_once

@@ -3,7 +3,6 @@ self-attention and MLP, tied or untied output head), sized by a config."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
