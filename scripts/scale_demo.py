@@ -116,7 +116,7 @@ def main() -> int:
     print(f"loss {losses[0]:.4f} -> {final:.4f} (after the last step)")
     print("peak bytes per tier: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["peak_bytes"].items()))
     print(f"peak RSS {format_bytes(peak_rss)} (host budget {format_bytes(host_budget)})")
-    print(f"bytes moved in total: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["bytes_moved"].items()))
+    print("bytes moved in total: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["bytes_moved"].items()))
     ok = all(torch.isfinite(torch.tensor(losses))) and final < losses[0]
     infinity.close(model)
     print("OK" if ok else "FAILED: loss not finite or not falling")

@@ -4,7 +4,7 @@ torch beside the same model trained through infinity, on the same data."""
 from __future__ import annotations
 
 import copy
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 

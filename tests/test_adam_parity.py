@@ -1,7 +1,5 @@
 """CPUAdamW against torch.optim.AdamW / torch.optim.Adam (foreach=False)."""
 
-import copy
-
 import pytest
 import torch
 

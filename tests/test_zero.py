@@ -1,7 +1,6 @@
 """ZeRO stages 1 and 2 over 2 gloo ranks against a single-process reference
 with the same global batch (torch.optim.AdamW, no sharding)."""
 
-import copy
 import random
 
 import pytest
