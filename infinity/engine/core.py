@@ -891,7 +891,19 @@ class Engine:
             return u.host_compute
         with self._host_lock:
             if u.host_compute is None or (u.host_busy is not None and not u.host_busy.done()):
-                if u.host_compute is None:
+                if u.host_compute is None and len(u.layout.trainable_slots) == len(u.layout.slots) \
+                        and self.zero != 3:
+                    # The update writes every parameter of the unit: no need to
+                    # read the old copy, only to zero the padding between them.
+                    comp, buf = self._host_acquire(u.compute_numel, self.dtype, protect=u)
+                    end = 0
+                    for sl in u.layout.slots:
+                        if sl.offset > end:
+                            comp[end:sl.offset].zero_()
+                        end = sl.offset + sl.numel
+                    comp[end:].zero_()
+                    u.host_compute, u.host_buf = comp, buf
+                elif u.host_compute is None:
                     read = self._cache_load(u)  # frozen parameters must be there too
                     read.wait()
                 else:
