@@ -805,12 +805,7 @@ class Engine:
         if not u.grad_on_nvme:
             # Each slot's first gradient is copied in (not added), so only the
             # padding between slots needs zeros (the update's runs span it).
-            end = 0
-            for s in u.layout.trainable_slots:
-                if s.offset > end:
-                    g[end:s.offset].zero_()
-                end = s.offset + s.numel
-            g[end:].zero_()
+            Layout.zero_padding(g, u.layout.trainable_slots)
         if u.grad_on_nvme:
             h = self.nvme.read(swap_key(u.index, "grad"), g)
             if not wait:
@@ -896,12 +891,7 @@ class Engine:
                     # The update writes every parameter of the unit: no need to
                     # read the old copy, only to zero the padding between them.
                     comp, buf = self._host_acquire(u.compute_numel, self.dtype, protect=u)
-                    end = 0
-                    for sl in u.layout.slots:
-                        if sl.offset > end:
-                            comp[end:sl.offset].zero_()
-                        end = sl.offset + sl.numel
-                    comp[end:].zero_()
+                    Layout.zero_padding(comp, u.layout.slots)
                     u.host_compute, u.host_buf = comp, buf
                 elif u.host_compute is None:
                     read = self._cache_load(u)  # frozen parameters must be there too

@@ -310,11 +310,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
             t.wait()
         eng.stats.optimizer_wait_seconds += time.perf_counter() - t0
         if self._pending:
-            self._pending = []
-            for u in self._pending_units:
-                u.host_compute, u.next_compute = u.next_compute, u.host_compute
-            self._pending_units = []
-            eng.invalidate_device_copies()
+            self._apply_pending()
         eng.drain_grads()
         work = []
         for u in eng.units:
@@ -346,10 +342,14 @@ class InfinityOptimizer(torch.optim.Optimizer):
             return
         for t in self._pending:
             t.wait()
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """Delayed mode, after the queued updates finished: their compute
+        copies become the home copies; device copies are refreshed."""
         self._pending = []
         for u in self._pending_units:
             u.host_compute, u.next_compute = u.next_compute, u.host_compute
-            # Keep the spare buffer equal, so the next update's frozen part is right.
         self._pending_units = []
         self.engine.invalidate_device_copies()
 
@@ -373,22 +373,28 @@ class InfinityOptimizer(torch.optim.Optimizer):
         return (a2 - lo, b2 - lo) if a2 < b2 else None
 
     @staticmethod
-    def _written_runs(u: Unit, written: List[bool]) -> List[Tuple[int, int]]:
-        """Element ranges covering runs of consecutive trainable slots that got gradients."""
-        runs: List[Tuple[int, int]] = []
-        slots = u.layout.trainable_slots
-        start = None
-        for ti, s in enumerate(slots):
-            if written[ti]:
-                if start is None:
-                    start = s.offset
-                end = s.offset + s.numel
-            elif start is not None:
-                runs.append((start, end))
-                start = None
-        if start is not None:
-            runs.append((start, end))
+    def _runs(u: Unit, written: List[bool], key=lambda s: None) -> Dict[object, List[Tuple[int, int]]]:
+        """Element ranges of runs of consecutive trainable slots that got
+        gradients and share ``key(slot)``, grouped by key. Padding between
+        slots is zero in every buffer, so a run may span it."""
+        runs: Dict[object, List[Tuple[int, int]]] = {}
+        cur_key, cur = None, None
+        for ti, s in enumerate(u.layout.trainable_slots):
+            k = key(s) if written[ti] else None
+            if written[ti] and cur is not None and k == cur_key:
+                cur[1] = s.offset + s.numel
+                continue
+            if cur is not None:
+                runs.setdefault(cur_key, []).append((cur[0], cur[1]))
+            cur_key, cur = k, ([s.offset, s.offset + s.numel] if written[ti] else None)
+        if cur is not None:
+            runs.setdefault(cur_key, []).append((cur[0], cur[1]))
         return runs
+
+    @classmethod
+    def _written_runs(cls, u: Unit, written: List[bool]) -> List[Tuple[int, int]]:
+        """Element ranges covering runs of consecutive trainable slots that got gradients."""
+        return [r for rs in cls._runs(u, written).values() for r in rs]
 
     def _unit_step(self, u: Unit, grad: torch.Tensor, written: List[bool], out: Optional[torch.Tensor],
                    grad_scale: float) -> None:
@@ -397,19 +403,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         zero in every buffer, so runs may span it."""
         t0 = time.perf_counter()
         slots = u.layout.trainable_slots
-        runs: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
-        key, cur = None, None
-        for ti, s in enumerate(slots):
-            k = (s.group, s.step) if written[ti] else None
-            if k is not None and k == key:
-                cur[1] = s.offset + s.numel
-                continue
-            if key is not None:
-                runs.setdefault(key, []).append((cur[0], cur[1]))
-            key = k
-            cur = [s.offset, s.offset + s.numel] if k is not None else None
-        if key is not None:
-            runs.setdefault(key, []).append((cur[0], cur[1]))
+        runs = self._runs(u, written, key=lambda s: (s.group, s.step))
         for (gi, step), global_ranges in runs.items():
             g = self.param_groups[gi]
             beta1, beta2 = g["betas"]

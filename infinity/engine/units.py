@@ -63,6 +63,17 @@ class Layout:
         self.numel = _align(off, max(pad_to, 1) * ALIGN_ELEMS)
         self.trainable_slots = [s for s in self.slots if s.trainable]
 
+    @staticmethod
+    def zero_padding(buf: torch.Tensor, slots: List[Slot]) -> None:
+        """Zeroes the elements of ``buf`` outside ``slots`` (the alignment gaps
+        and the tail), leaving the slots' data as it is."""
+        end = 0
+        for s in slots:
+            if s.offset > end:
+                buf[end:s.offset].zero_()
+            end = s.offset + s.numel
+        buf[end:].zero_()
+
 
 class Unit:
     """A group of parameters that moves between tiers together.
