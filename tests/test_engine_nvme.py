@@ -13,6 +13,13 @@ from engine_utils import batches, small_gpt, train_pair, unit_bytes
 UB = unit_bytes(small_gpt())
 
 
+def state_swap_bytes(eng, grads: bool = False) -> int:
+    """Bytes of optimizer state one step reads (or writes) from NVMe: master
+    and moments, 4 bytes an element each, less the master where it is the
+    compute copy (see [Note: fp32 master aliasing]); plus spilled gradients."""
+    return sum(4 * u.trainable_numel * (3 - eng.master_is_compute(u) + grads) for u in eng.units)
+
+
 def cfg(tmp_path, paths=1, **kw) -> infinity.Config:
     base = dict(device="cpu", dtype="fp32", device_memory=8 * UB, host_memory=30 * UB, prefetch_depth=2,
                 offload_params="nvme", offload_optimizer="nvme",
@@ -35,10 +42,57 @@ def test_nvme_parity(tmp_path, paths, depth, overlap):
     assert s["peak_bytes"]["device"] <= s["budget_bytes"]["device"]
     if overlap == "backward":
         # Gradients go straight from their host buffer into the update: only
-        # master, moments and the compute copy are written each step.
+        # master and moments are written each step, plus the compute copies
+        # evicted from the host cache after their update (write-back).
         eng = infinity.api.engine_of(model)
-        state = sum(4 * 3 * u.trainable_numel + 4 * u.compute_numel for u in eng.units)
-        assert s["step_bytes_moved"]["nvme_write"] == state
+        state = state_swap_bytes(eng)
+        compute = sum(4 * u.compute_numel for u in eng.units)
+        assert state <= s["step_bytes_moved"]["nvme_write"] <= state + compute
+    infinity.api.close(model)
+
+
+@pytest.mark.parametrize("overlap", ["step", "backward"])
+def test_nvme_fp32_master_is_the_compute_copy_unless_frozen_or_bf16(tmp_path, overlap):
+    """fp32: units whose parameters all train keep one NVMe extent for master
+    and compute copy; a unit with a frozen parameter keeps both. Training
+    matches PyTorch either way, and the bytes swapped per step follow."""
+    def make():
+        m = small_gpt()
+        m.blocks[2].requires_grad_(False)
+        m.blocks[3].proj.weight.requires_grad_(False)
+        return m
+
+    model, _, _, _ = train_pair(make, cfg(tmp_path, overlap=overlap, host_memory=60 * UB), steps=8)
+    eng = infinity.api.engine_of(model)
+    aliased = [eng.master_is_compute(u) for u in eng.units]
+    assert any(aliased) and not all(aliased)
+    for u in eng.units:
+        if u.trainable_numel:
+            assert eng.master_is_compute(u) == (len(u.layout.trainable_slots) == len(u.layout.slots))
+            assert ((u.index, "master") in eng.nvme) != eng.master_is_compute(u)  # one extent, not two
+    s = infinity.stats(model)
+    grads = overlap == "step"  # spilled during backward, read back in step()
+    assert s["step_bytes_moved"]["nvme_read"] == state_swap_bytes(eng, grads)  # every compute copy cached
+    infinity.api.close(model)
+    bf = cfg(tmp_path / "bf16", dtype="bf16", overlap=overlap)
+    m, _ = infinity.initialize(small_gpt(), bf)
+    assert not any(infinity.api.engine_of(m).master_is_compute(u) for u in infinity.api.engine_of(m).units)
+    infinity.api.close(m)
+
+
+@pytest.mark.parametrize("overlap", ["step", "backward"])
+def test_nvme_write_back_of_evicted_compute_copies(tmp_path, overlap):
+    """A host budget too small to cache every compute copy: updated copies are
+    written when evicted and read back later, and training still matches
+    PyTorch; with room for all of them, no compute copy is written at all."""
+    model, _, _, _ = train_pair(small_gpt, cfg(tmp_path / "small", host_memory=16 * UB, overlap=overlap),
+                                steps=6)
+    eng = infinity.api.engine_of(model)
+    state = state_swap_bytes(eng)
+    s = infinity.stats(model)
+    grads = 4 * sum(u.trainable_numel for u in eng.units) if overlap == "step" else 0  # spilled in backward
+    assert s["step_bytes_moved"]["nvme_write"] > state + grads
+    assert s["step_bytes_moved"]["nvme_read"] > 0
     infinity.api.close(model)
 
 
@@ -59,7 +113,7 @@ def test_nvme_clipping_and_accumulation(tmp_path):
 
 
 def test_nvme_traffic_falls_as_host_budget_grows(tmp_path):
-    reads = []
+    reads, writes = [], []
     for i, units in enumerate((16, 19, 40)):
         c = cfg(tmp_path / str(i), host_memory=units * UB, prefetch_depth=1)
         model = small_gpt()
@@ -71,14 +125,17 @@ def test_nvme_traffic_falls_as_host_budget_grows(tmp_path):
         s = infinity.stats(m)
         assert s["peak_bytes"]["host"] <= units * UB
         reads.append(s["step_bytes_moved"]["nvme_read"])
+        writes.append(s["step_bytes_moved"]["nvme_write"])
         # master, moments and the gradients spilled during backward (overlap="step")
-        state_bytes = sum(4 * 4 * u.trainable_numel for u in infinity.api.engine_of(m).units)
+        state_bytes = state_swap_bytes(infinity.api.engine_of(m), grads=True)
         infinity.api.close(m)
     # (The middle budget is reported, not ordered: first-fit packing of the
     # pool can cost it a cached copy or two.)
     assert reads[0] > reads[2] and reads[1] >= reads[2], reads
-    # With every compute copy cached, only the optimizer state is read.
+    # With every compute copy cached, only the optimizer state is read, and
+    # written: updated compute copies stay in the cache (write-back).
     assert reads[2] == state_bytes
+    assert writes[2] == state_bytes and writes[0] > writes[2], writes
 
 
 def test_swap_files_are_owned_and_removed(tmp_path):

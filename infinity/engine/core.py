@@ -204,6 +204,7 @@ class Engine:
                     perm += tb * (5 if delayed else 4)
             if self.opt_nvme and u.trainable_numel:
                 k = 3 if self.zero else 4  # ZeRO keeps its gradient shard on the host
+                k -= 1 if self.master_is_compute(u) else 0
                 cache_all += k * sb
                 nvme_need += k * sb
         host_budget = cfg.host_memory
@@ -274,6 +275,18 @@ class Engine:
         """Elements of ``u``'s fp32 master and moments on this rank (its shard under ZeRO)."""
         return u.trainable_numel // self.sharding.world if self.zero else u.trainable_numel
 
+    def master_is_compute(self, u: Unit) -> bool:
+        """[Note: fp32 master aliasing] With fp32 compute, every parameter of
+        ``u`` trainable, no ZeRO sharding and both homes on NVMe, the compute
+        copy and the fp32 master hold the same bits. They are then one buffer:
+        one NVMe extent ("compute"), cached in the host like any compute copy
+        and updated in place by the optimizer. That removes a third of the
+        swap traffic of an fp32 step (the master's read and write) and the
+        optimizer's copy-out."""
+        return (self.params_nvme and self.opt_nvme and self.dtype == torch.float32 and self.zero == 0
+                and self.config.overlap != "delayed" and bool(u.trainable_numel)
+                and len(u.layout.trainable_slots) == len(u.layout.slots))
+
     @property
     def nvme_used(self) -> bool:
         return self.params_nvme or self.opt_nvme
@@ -340,7 +353,8 @@ class Engine:
             lo, hi = self.sharding.shard(tn)
             own = master_full[lo:hi]
             if self.opt_nvme:
-                self.nvme.write(swap_key(u.index, "master"), own).wait()
+                if not self.master_is_compute(u):  # else written below as the compute copy
+                    self.nvme.write(swap_key(u.index, "master"), own).wait()
             else:
                 u.master.copy_(own)
         if self.params_nvme:
@@ -408,7 +422,7 @@ class Engine:
                 c[sl].copy_(src)
         if master is not None:
             lo, hi = self.sharding.shard(u.trainable_numel)
-            if self.opt_nvme:
+            if self.opt_nvme and not self.master_is_compute(u):  # else written below with the compute copy
                 self.nvme.write(swap_key(u.index, "master"), master[lo:hi].clone()).wait()
             elif self.zero:
                 u.master.copy_(master[lo:hi])
@@ -421,6 +435,7 @@ class Engine:
                 if u.host_busy is not None:
                     u.host_busy.wait()
                 self.nvme.write(swap_key(u.index, "compute"), home).wait()
+                u.host_dirty = False
 
     # ------------------------------------------------------------------ residency
 
@@ -544,17 +559,29 @@ class Engine:
         self._deferred = keep
         return freed
 
+    def _wait_deferred(self) -> None:
+        """Waits (without the host lock) for the writes of deferred releases queued so far."""
+        with self._host_lock:
+            handles = [h for h, _ in self._deferred]
+        for h in handles:
+            h.wait()
+
     def defer_release(self, handle, buf) -> None:
         """Frees ``buf`` once ``handle`` (a write from it) completes."""
         with self._host_lock:
             self._deferred.append((handle, buf))
 
-    def _evict_cached(self, protect: Optional[Unit]) -> bool:
+    def _evict_cached(self, protect: Optional[Unit], done_only: bool = False, wait: bool = True) -> int:
         """Drops the cached compute copy whose next use is furthest away (the
-        device tier's rule); never one a transfer still reads."""
+        device tier's rule); never one a transfer still reads. ``done_only``:
+        only copies this pass does not use again. A dirty copy is written back
+        first; without ``wait`` its buffer is freed when that write finishes
+        (a deferred release). Returns the bytes freed or to be freed (0: none)."""
         best, best_key = None, None
         for u in self.units:
             if u is protect or u.host_compute is None or u.host_buf is None or u.host_locks:
+                continue
+            if done_only and self.trace.next_use(u.index) != NEVER:
                 continue
             if u.host_busy is not None and not u.host_busy.done():
                 continue
@@ -562,13 +589,30 @@ class Engine:
             if best_key is None or k > best_key:
                 best, best_key = u, k
         if best is None:
-            return False
-        if best.host_write is not None:
-            best.host_write.wait()
-            best.host_write = None
+            return 0
+        nbytes = _round_pool(best.host_compute.numel() * best.host_compute.element_size())
+        if best.host_dirty:
+            # Write-back cache: a copy updated while cached reaches NVMe only
+            # now, so a unit that stays cached costs no swap writes (nor their
+            # checksums) step after step.
+            h = self.nvme.write(swap_key(best.index, "compute"), best.host_compute)
+            best.host_dirty = False
+            if not wait:
+                best.host_write = h  # a read of this copy waits for it (_settle_write_back)
+                self._deferred.append((h, best.host_buf))
+                best.host_compute, best.host_buf, best.host_busy = None, None, None
+                return nbytes
+            h.wait()
         self.host_tier.release(best.host_buf)
         best.host_compute, best.host_buf, best.host_busy = None, None, None
-        return True
+        return nbytes
+
+    def _settle_write_back(self, u: Unit) -> None:
+        """Waits for a write-back of ``u``'s evicted compute copy still in
+        flight, so a read of the NVMe copy sees the new bytes."""
+        if u.host_write is not None:
+            u.host_write.wait()
+            u.host_write = None
 
     def _host_acquire(self, numel: int, dtype: torch.dtype, zero: bool = False, protect: Optional[Unit] = None):
         """A transient host buffer under the host budget: frees finished
@@ -616,6 +660,7 @@ class Engine:
                 return None
             comp, buf = self._host_acquire(self.home_compute_numel(u), self.dtype, protect=u)
             u.host_compute, u.host_buf = comp, buf
+            self._settle_write_back(u)
             return self.nvme.read(swap_key(u.index, "compute"), comp)
 
     def fetch(self, u: Unit) -> None:
@@ -855,7 +900,18 @@ class Engine:
             tn = self.state_numel(u)
             handles = []
             bufs = []
-            for kind in ("master", "exp_avg", "exp_avg_sq"):
+            kinds = ("master", "exp_avg", "exp_avg_sq")
+            if self.master_is_compute(u):
+                # The master is the cached compute copy, held (host_locks) until opt_store.
+                read = self._cache_load(u)
+                if read is not None:
+                    handles.append(read)
+                elif u.host_busy is not None and not u.host_busy.done():
+                    handles.append(u.host_busy)  # a fetch still copies it to the device
+                u.host_locks += 1
+                u.master = u.host_compute[:tn]
+                kinds = kinds[1:]
+            for kind in kinds:
                 fresh = kind != "master" and u.moments_fresh
                 t, buf = self._host_acquire(tn, torch.float32, zero=fresh, protect=u)
                 setattr(u, kind, t)
@@ -865,25 +921,49 @@ class Engine:
             u.opt_bufs = bufs
             return handles
 
-    def opt_prefetch(self, u: Unit) -> bool:
+    def opt_prefetch(self, u: Unit, evict_done: bool = False) -> bool:
         """Starts :meth:`opt_load` of ``u`` early if the host budget has room
-        now (never waits); the update of ``u`` then finds its state read."""
+        now; the update of ``u`` then finds its state read. ``evict_done``:
+        make room by evicting cached compute copies this pass no longer uses
+        (Belady: they are needed next forward, after this state), writing
+        dirty ones back; else never waits."""
         with self._host_lock:
             if u.opt_pending is not None or u.opt_bufs or not u.trainable_numel:
                 return False
-            need = 3 * _round_pool(_nbytes(self.state_numel(u), torch.float32))
-            if self.host_tier.free_bytes < need + _round_pool(_nbytes(u.trainable_numel, torch.float32)):
-                return False  # keep room for the gradients arriving meanwhile
+            alias = self.master_is_compute(u)
+            need = (2 if alias else 3) * _round_pool(_nbytes(self.state_numel(u), torch.float32))
+            if alias and u.host_compute is None:
+                need += _round_pool(_nbytes(u.compute_numel, self.dtype))
+            need += _round_pool(_nbytes(u.trainable_numel, torch.float32))  # room for the gradients arriving meanwhile
+            freeing = 0
+            while evict_done and self.host_tier.free_bytes + freeing < need:
+                n = self._evict_cached(u, done_only=True, wait=False)
+                if not n:
+                    break
+                freeing += n
+        if freeing:
+            # The write-backs finish without the lock, which the compute
+            # thread needs meanwhile for its gradient buffers.
+            self._wait_deferred()
+        with self._host_lock:
+            if u.opt_pending is not None or u.opt_bufs:
+                return False
+            self._release_deferred(block=False)
+            if self.host_tier.free_bytes < need:
+                return False
             try:
                 u.opt_pending = self.opt_load(u)
             except BudgetError:
                 return False
             return True
 
-    def opt_out(self, u: Unit) -> torch.Tensor:
-        """The host buffer the update writes the new compute copy into."""
+    def opt_out(self, u: Unit) -> Optional[torch.Tensor]:
+        """The host buffer the update writes the new compute copy into (None:
+        the master is the compute copy, updated in place)."""
         if not self.params_nvme:
             return u.host_compute
+        if self.master_is_compute(u):
+            return None
         with self._host_lock:
             if u.host_compute is None or (u.host_busy is not None and not u.host_busy.done()):
                 if u.host_compute is None and len(u.layout.trainable_slots) == len(u.layout.slots) \
@@ -900,33 +980,36 @@ class Engine:
                     if isinstance(u.host_busy, DeferredTicket) and u.host_busy.inner is None:
                         raise RuntimeError(f"internal: unit {u.name!r} updated while its fetch is pending")
                     u.host_busy.wait()
-            if u.host_write is not None:
-                u.host_write.wait()
-                u.host_write = None
             u.host_locks += 1
             return u.host_compute
 
     def opt_store(self, u: Unit) -> None:
         """Writes ``u``'s updated state back to NVMe (asynchronously; buffers
-        are freed when the writes finish) and the new compute copy home."""
+        are freed when the writes finish). The new compute copy stays in the
+        host cache, marked dirty: it is written when evicted."""
         if self.opt_nvme:
-            for kind, buf in zip(("master", "exp_avg", "exp_avg_sq"), u.opt_bufs):
+            kinds = ("master", "exp_avg", "exp_avg_sq")[1 if self.master_is_compute(u) else 0:]
+            for kind, buf in zip(kinds, u.opt_bufs):
                 h = self.nvme.write(swap_key(u.index, kind), getattr(u, kind))
                 self.defer_release(h, buf)
                 setattr(u, kind, None)
             u.opt_bufs = []
+            u.master = None
             u.moments_fresh = False
         if self.params_nvme:
             with self._host_lock:
-                u.host_write = self.nvme.write(swap_key(u.index, "compute"), u.host_compute)
+                u.host_dirty = True  # reaches NVMe when evicted from the host cache
                 u.host_locks -= 1
 
     def opt_store_unchanged(self, u: Unit) -> None:
         """Frees the state buffers of a unit that got no gradient (nothing changed on NVMe)."""
-        for buf in u.opt_bufs:
-            self.host_tier.release(buf)
-        u.opt_bufs = []
-        u.master = u.exp_avg = u.exp_avg_sq = None
+        with self._host_lock:
+            for buf in u.opt_bufs:
+                self.host_tier.release(buf)
+            u.opt_bufs = []
+            u.master = u.exp_avg = u.exp_avg_sq = None
+            if self.master_is_compute(u):
+                u.host_locks -= 1
 
     @torch.no_grad()
     def read_kind(self, u: Unit, kind: str) -> Optional[torch.Tensor]:
@@ -937,6 +1020,7 @@ class Engine:
             if self.zero == 3:  # every rank must call this
                 shard = u.host_compute
                 if shard is None:
+                    self._settle_write_back(u)
                     shard = torch.empty(self.home_compute_numel(u), dtype=self.dtype)
                     self.nvme.read(swap_key(u.index, "compute"), shard).wait()
                 full = torch.empty(u.compute_numel, dtype=self.dtype)
@@ -946,10 +1030,13 @@ class Engine:
             if t is not None:
                 return t
             if self.params_nvme:
+                self._settle_write_back(u)
                 out = torch.empty(u.compute_numel, dtype=self.dtype)
                 self.nvme.read(swap_key(u.index, "compute"), out).wait()
                 return out
             return None
+        if kind == "master" and u.master is None and self.master_is_compute(u):
+            return self.read_kind(u, "compute")[:u.trainable_numel]
         t = getattr(u, kind)
         if t is not None and self.zero and kind != "compute":
             return self.sharding.all_gather(t, u.trainable_numel)  # every rank must call this

@@ -59,6 +59,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         self._good_steps = 0
         self._num_threads = cfg.num_threads
         self._stepped_early: Dict[int, bool] = {}   # units updated during backward this step
+        self._root_prefetch = None                   # host job reading the root's state ahead (NVMe)
         self._pending: List = []                     # delayed mode: updates in flight
         self._pending_units: List[Unit] = []
         self._stat_lock = threading.Lock()
@@ -128,16 +129,26 @@ class InfinityOptimizer(torch.optim.Optimizer):
     def _prefetch_next_state(self) -> None:
         """Reads the optimizer state of the unit whose gradients complete next
         (the next unit in the backward trace, finally the root) while the
-        current one is updated."""
+        current one is updated. The root's update runs after backward ends,
+        on the step's critical path: its state is read one unit earlier, on
+        the host thread, evicting compute copies this pass is done with if the
+        host budget has no room."""
         eng = self.engine
-        for idx in eng.trace.upcoming(8):
+        nxt: List[Unit] = []
+        for idx in eng.trace.upcoming(16):
             v = eng.units[idx]
-            if v.trainable_numel and v.index not in self._stepped_early:
-                eng.opt_prefetch(v)
-                return
+            if v.trainable_numel and idx not in self._stepped_early and v not in nxt:
+                nxt.append(v)
+                if len(nxt) == 2:
+                    break
         root = eng.units[0]
-        if root.trainable_numel and root.index not in self._stepped_early:
-            eng.opt_prefetch(root)
+        if len(nxt) < 2 and root.trainable_numel and root.index not in self._stepped_early and root not in nxt:
+            nxt.append(root)
+        if nxt:
+            eng.opt_prefetch(nxt[0])
+        if nxt and nxt[-1] is root and root.opt_pending is None and self._root_prefetch is None:
+            # Queued behind the update just submitted, so it never takes that update's buffers.
+            self._root_prefetch = eng.mover.host_job(lambda: eng.opt_prefetch(root, evict_done=True))
 
     def _on_backward_end(self) -> None:
         eng = self.engine
@@ -220,6 +231,9 @@ class InfinityOptimizer(torch.optim.Optimizer):
     def _step_now(self) -> None:
         eng = self.engine
         t0 = time.perf_counter()
+        if self._root_prefetch is not None:
+            self._root_prefetch.wait()
+            self._root_prefetch = None
         for u in eng.units:
             if u.opt_ticket is not None:
                 u.opt_ticket.wait()

@@ -120,7 +120,8 @@ class Unit:
         # NVMe homes (see [Note: NVMe homes and the host cache]):
         self.host_buf = None            # pool handle of a cached compute copy (None: permanent or absent)
         self.host_busy = None           # transfer reading host_compute (fetch ticket)
-        self.host_write = None          # write-back of host_compute to NVMe in flight
+        self.host_dirty = False         # host_compute is newer than its NVMe copy (written back on eviction)
+        self.host_write = None          # write-back of an evicted compute copy in flight
         self.host_locks = 0             # optimizer writing host_compute now
         self.grad_buf = None            # pool handle of an NVMe optimizer's gradient buffer
         self.grad_on_nvme = False       # gradients of this step were spilled to NVMe

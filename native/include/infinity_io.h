@@ -110,11 +110,13 @@ INF_API int64_t inf_io_crc_count(int64_t nbytes, int64_t block_size);
 
 /* CRC32C (Castagnoli), standard form: crc = inf_crc32c(0, p, n) gives the
  * usual value (0xE3069283 for "123456789"); pass a previous result to continue.
- * Uses SSE4.2 when the CPU has it (chosen at run time), a table otherwise. */
+ * Chosen at run time: AVX-512 VPCLMULQDQ folding, else the SSE4.2 crc32
+ * instruction, else a table. */
 INF_API uint32_t inf_crc32c(uint32_t crc, const void* data, int64_t nbytes);
-/* 1 if the hardware path is in use. */
+/* Path in use: 2 = VPCLMULQDQ folding, 1 = SSE4.2 crc32, 0 = table. */
 INF_API int32_t inf_crc32c_hw(void);
-/* Forces the table path (force=1) or restores automatic choice (0); tests. */
+/* Tests: force=1 forces the table path, 2 the SSE4.2 path (no folding),
+ * 0 restores the automatic choice. */
 INF_API void inf_crc32c_force_sw(int32_t force);
 
 #ifdef __cplusplus

