@@ -218,9 +218,6 @@ class Config:
         if self.zero_stage > 0 and (self.offload_optimizer == "none" or self.overlap == "delayed"):
             raise ValueError(f"Config.zero_stage={self.zero_stage} works with offload_optimizer 'host' or "
                              "'nvme' and overlap 'step' or 'backward' in this version")
-        if self.zero_stage in (1, 2) and self.offload_params == "nvme":
-            raise ValueError(f"Config.zero_stage={self.zero_stage} with offload_params='nvme' is not available "
-                             "in this version; use zero_stage=3 (parameters sharded) with NVMe parameters")
         if self.overlap == "delayed" and self.offload_optimizer == "none":
             raise ValueError("Config.overlap='delayed' needs offload_optimizer='host': the delayed update is "
                              "the CPU optimizer running beside the next step's compute")

@@ -18,6 +18,13 @@ Cases
 Writes are measured into fresh (just preallocated, never written) extents and as
 overwrites; reads are O_DIRECT (or cold), so the page cache is not measured.
 
+Paired baseline: a virtio disk's host side caches recently written data, so a
+read's speed depends on how fresh the data is, and a raw file written at a
+different moment is not a fair reference. Each store life therefore ends with
+raw O_DIRECT reads (then overwrites) of exactly the store's extents, each
+followed at once by the store's own read (overwrite) of the same key, and the
+ratio of each pair is reported ("paired").
+
 Usage: python scripts/bench_io.py [--dir DIR] [--size-mib 1024] [--rounds 3] [--full]
 Writes under --dir (default ./infinity-swap/bench) and deletes its files at the end.
 """
@@ -126,8 +133,38 @@ def aiofiles_run(path: str, data: bytes, size: int, bs: int) -> tuple:
 # ---- store -----------------------------------------------------------------------------------
 
 
+def raw_extents(pieces, rw: str, bs: int, depth: int, mem: memoryview) -> float:
+    """O_DIRECT pread/pwrite of exactly the store's extents ((path, offset,
+    nbytes, rel) pieces) by a pool of ``depth`` threads in ``bs`` blocks, to
+    and from the same pool buffer the store uses (``mem``, byte ``rel`` of
+    the key), no checksums: the raw disk on the same file, region, data
+    freshness and memory as the store's transfer it is compared with."""
+    from concurrent.futures import ThreadPoolExecutor
+    fds = {p: os.open(p, os.O_RDWR | os.O_DIRECT) for p in {p[0] for p in pieces}}
+    jobs = [(fds[p], off + a, min(bs, n - a), rel + a) for p, off, n, rel in pieces for a in range(0, n, bs)]
+    total = sum(j[2] for j in jobs)
+
+    def one(i):
+        fd, off, n, rel = jobs[i]
+        b = mem[rel:rel + n]
+        if rw == "write":
+            os.pwrite(fd, b, off)
+        else:
+            os.preadv(fd, [b], off)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(depth) as ex:
+        list(ex.map(one, range(len(jobs))))
+    dt = time.perf_counter() - t
+    for fd in fds.values():
+        os.close(fd)
+    return gbps(total, dt)
+
+
 def store_run(dirs, backend, bs, qd, size, pool_buf, plain) -> dict:
-    """One store life: fresh write, overwrite, read (pool), read and write (plain)."""
+    """One store life: fresh write, overwrite, read (pool), read and write
+    (plain); then reads and overwrites of the same extents, raw and by the
+    store in turn (raw_same_*: the paired baseline)."""
     res = {}
     with SwapStore(dirs, capacity_bytes=size + len(dirs) * 16 * MiB, backend=backend, block_size=bs,
                    queue_depth=qd) as s:
@@ -143,6 +180,19 @@ def store_run(dirs, backend, bs, qd, size, pool_buf, plain) -> dict:
             res[name] = gbps(size, time.perf_counter() - t)
         assert torch.equal(plain[:4096], pool_buf[:4096])
         res["backend"] = s.backend
+        if s.direct and all(s.direct):
+            entry = s._index["k"]  # the extents the key occupies: where the raw baseline reads and writes
+            pieces = [(s._paths[p.path_index].file_path, p.offset, p.nbytes, p.rel) for p in entry.pieces]
+            assert all(n % 4096 == 0 for _, _, n, _ in pieces)  # O_DIRECT: whole pages (size is MiB)
+            mem = memoryview(pool_buf.numpy())
+            res["raw_same_read"] = raw_extents(pieces, "read", bs, qd, mem)
+            t = time.perf_counter()
+            s.read("k", pool_buf).wait()
+            res["read_same"] = gbps(size, time.perf_counter() - t)
+            res["raw_same_write"] = raw_extents(pieces, "write", bs, qd, mem)
+            t = time.perf_counter()
+            s.write("k", pool_buf).wait()
+            res["write_same"] = gbps(size, time.perf_counter() - t)
     return res
 
 
@@ -238,6 +288,14 @@ def main() -> int:
            "write_plain": "write_over"}
     ratios = {c: {m: round(v / best_raw[ref[m]], 3) for m, v in ms.items() if ref.get(m) in best_raw}
               for c, ms in med.items() if not c.startswith("raw/")}
+    # Paired: the store against raw O_DIRECT on its own extents, run just before
+    # it (same file, region and data freshness; median of per-round ratios).
+    paired = {}
+    for c, ms in samples.items():
+        for m in ("read", "write"):
+            a, b = ms.get(f"{m}_same"), ms.get(f"raw_same_{m}")
+            if a and b:
+                paired.setdefault(c, {})[m] = round(statistics.median(x / y for x, y in zip(a, b)), 3)
 
     metrics = ["write_fresh", "write_over", "read", "read_plain", "write_plain"]
     print(f"\nSequential throughput, GB/s (median of {args.rounds}; {size // MiB} MiB per transfer; "
@@ -254,7 +312,11 @@ def main() -> int:
             else:
                 row += f"{v:10.2f} ({ratios[c][m]:.2f})"
         print(row)
-    out = {"size_bytes": size, "rounds": args.rounds, "raw_tools": sorted({c[0] for c in raw_cases}), "median_gbps": med,
+    print("\nPaired with raw O_DIRECT on the store's own extents (same file, region and data freshness): "
+          "store / raw, median of per-round ratios")
+    for c, ms in paired.items():
+        print(f"{c:42s}" + "".join(f"{m:>8s} {v:.2f}" for m, v in ms.items()))
+    out = {"paired_ratio_same_extents": paired, "size_bytes": size, "rounds": args.rounds, "raw_tools": sorted({c[0] for c in raw_cases}), "median_gbps": med,
            "samples_gbps": samples, "best_raw_gbps": best_raw, "ratio_to_best_raw": ratios,
            "native": native, "seconds": round(time.time() - t0, 1)}
     print(json.dumps(out, indent=1, sort_keys=True))

@@ -85,8 +85,8 @@ def test_nvme_write_back_of_evicted_compute_copies(tmp_path, overlap):
     """A host budget too small to cache every compute copy: updated copies are
     written when evicted and read back later, and training still matches
     PyTorch; with room for all of them, no compute copy is written at all."""
-    model, _, _, _ = train_pair(small_gpt, cfg(tmp_path / "small", host_memory=16 * UB, overlap=overlap),
-                                steps=6)
+    model, _, _, _ = train_pair(lambda: small_gpt(n_layer=16), cfg(tmp_path / "small", host_memory=16 * UB,
+                                                                   overlap=overlap), steps=6)
     eng = infinity.api.engine_of(model)
     state = state_swap_bytes(eng)
     s = infinity.stats(model)

@@ -21,12 +21,14 @@ def run(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
         for ci, case in enumerate(cases):
             dev = 64 << 20 if case.get("params") == "none" else 8 * unit_bytes(small_gpt())
             cfg = infinity.Config(device="cpu", dtype="fp32", device_memory=dev,
-                                  host_memory="256MiB", zero_stage=case["stage"],
+                                  host_memory=case.get("host_units", 0) * unit_bytes(small_gpt()) or "256MiB",
+                                  zero_stage=case["stage"],
                                   offload_params=case.get("params", "host"), overlap=case.get("overlap", "step"),
                                   offload_optimizer=case.get("opt", "host"),
                                   swap_paths=[os.path.join(out_dir, f"swap{ci}")],
                                   max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1))
-            model, opt = infinity.initialize(small_gpt(), cfg, lr=1e-3, weight_decay=0.1)
+            model, opt = infinity.initialize(small_gpt(n_layer=case.get("layers", 8)), cfg, lr=1e-3,
+                                             weight_decay=0.1)
             accum, steps = case.get("accum", 1), case["steps"]
             data = batches(steps * accum, seed=0, b=2 * world)
             losses, norms = [], []

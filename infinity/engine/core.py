@@ -70,9 +70,6 @@ class Engine:
         self._closed = False
         self.sharding = Sharding(config.zero_stage, self.stats)
         self.zero = config.zero_stage
-        if self.sharding.world > 1 and not self.zero and (self.params_nvme or self.opt_nvme):
-            raise ValueError("initialize: NVMe offload with plain data parallelism (zero_stage=0 on several "
-                             "ranks) is not available; use zero_stage 1-3 to shard the state over the ranks")
         if self.sharding.world > 1:
             desc = {f"config.{k}": v for k, v in config.to_dict().items() if k != "swap_paths"}
             desc.update({f"param {n}": (tuple(p.shape), p.requires_grad)
@@ -301,34 +298,33 @@ class Engine:
         """Allocates ``u``'s buffers in their tiers and fills them from
         ``originals`` (one tensor per slot, in slot order, any shape with the
         slot's numel)."""
-        host = self.host_tier
         n, tn = u.compute_numel, u.trainable_numel
         if self._compute_home_host():
             # Stage 3: this rank's shard only (see Sharding.gather_units_params).
-            u.host_compute = host.alloc(n // self.sharding.world if self.zero == 3 else n, self.dtype)
+            u.host_compute = self._host_alloc(n // self.sharding.world if self.zero == 3 else n, self.dtype)
         if tn:
             if self.opt_nvme:
                 u.moments_fresh = True  # first step starts from zero moments: nothing to read
                 if self.zero:
-                    u.grad_shard = host.alloc(tn // self.sharding.world, torch.float32)
+                    u.grad_shard = self._host_alloc(tn // self.sharding.world, torch.float32)
                     if self.zero == 1:
-                        u.grad = host.alloc(tn, torch.float32)
+                        u.grad = self._host_alloc(tn, torch.float32)
             elif self.host_optimizer and self.zero:
                 # See [Note: ZeRO shards in infinity].
                 sn = tn // self.sharding.world
-                u.master = host.alloc(sn, torch.float32)
-                u.exp_avg = host.alloc(sn, torch.float32)
-                u.exp_avg_sq = host.alloc(sn, torch.float32)
-                u.grad_shard = host.alloc(sn, torch.float32)
+                u.master = self._host_alloc(sn, torch.float32)
+                u.exp_avg = self._host_alloc(sn, torch.float32)
+                u.exp_avg_sq = self._host_alloc(sn, torch.float32)
+                u.grad_shard = self._host_alloc(sn, torch.float32)
                 if self.zero == 1:
-                    u.grad = host.alloc(tn, torch.float32)
+                    u.grad = self._host_alloc(tn, torch.float32)
             elif self.host_optimizer:
-                u.master = host.alloc(tn, torch.float32)
-                u.exp_avg = host.alloc(tn, torch.float32)
-                u.exp_avg_sq = host.alloc(tn, torch.float32)
-                u.grad = host.alloc(tn, torch.float32)
+                u.master = self._host_alloc(tn, torch.float32)
+                u.exp_avg = self._host_alloc(tn, torch.float32)
+                u.exp_avg_sq = self._host_alloc(tn, torch.float32)
+                u.grad = self._host_alloc(tn, torch.float32)
                 if self.config.overlap == "delayed":
-                    u.next_grad = host.alloc(tn, torch.float32)
+                    u.next_grad = self._host_alloc(tn, torch.float32)
             else:
                 mk = lambda: torch.zeros(tn, dtype=torch.float32, device=self.device)  # noqa: E731
                 u.master, u.exp_avg, u.exp_avg_sq, u.grad = mk(), mk(), mk(), mk()
@@ -361,13 +357,13 @@ class Engine:
             full = torch.zeros(n, dtype=self.dtype)
             for s, src in zip(u.layout.slots, originals):
                 full[s.offset:s.offset + s.numel].copy_(src)
-            comp, buf = self._host_acquire(self.home_compute_numel(u), self.dtype)
+            comp, buf = self._host_acquire(self.home_compute_numel(u), self.dtype, compute=True)
             comp.copy_(self.sharding.shard_of_params(full, tn) if self.zero == 3 else full)
             self.nvme.write(swap_key(u.index, "compute"), comp).wait()
             with self._host_lock:
                 u.host_compute, u.host_buf = comp, buf  # stays cached while the budget has room
         if self.config.overlap == "delayed" and u.host_compute is not None:
-            u.next_compute = self.host_tier.alloc(n, self.dtype)
+            u.next_compute = self._host_alloc(n, self.dtype)
             u.next_compute.copy_(u.host_compute)
         if self.params_on_device:
             # Lives on the device for good: written once here, refreshed after
@@ -614,15 +610,33 @@ class Engine:
             u.host_write.wait()
             u.host_write = None
 
-    def _host_acquire(self, numel: int, dtype: torch.dtype, zero: bool = False, protect: Optional[Unit] = None):
-        """A transient host buffer under the host budget: frees finished
-        write-backs, then cached compute copies, then waits for write-backs,
-        then for the optimizer's work in flight (which frees its buffers)."""
-        high = dtype != torch.float32  # compute copies at the top, fp32 state at the bottom
+    def _host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed host buffer kept for good (placement at ``initialize``);
+        evicts compute copies cached by earlier units' initialisation to make room."""
         with self._host_lock:
             while True:
                 try:
-                    return self.host_tier.acquire(numel, dtype, zero, high=high)
+                    return self.host_tier.alloc(numel, dtype)
+                except PoolExhausted:
+                    if self._release_deferred(block=False) or self._evict_cached(None) \
+                            or self._release_deferred(block=True):
+                        continue
+                    raise BudgetError(f"host tier: {_nbytes(numel, dtype)} bytes needed for a permanent buffer, "
+                                      f"{self.host_tier.free_bytes} of {self.host_tier.pool.capacity_bytes} free; "
+                                      "raise host_memory") from None
+
+    def _host_acquire(self, numel: int, dtype: torch.dtype, zero: bool = False, protect: Optional[Unit] = None,
+                      compute: bool = False):
+        """A transient host buffer under the host budget: frees finished
+        write-backs, then cached compute copies, then waits for write-backs,
+        then for the optimizer's work in flight (which frees its buffers).
+        ``compute``: a compute copy, taken from the top of the pool (fp32
+        state and gradients from the bottom), so neither class fragments the
+        other's free space."""
+        with self._host_lock:
+            while True:
+                try:
+                    return self.host_tier.acquire(numel, dtype, zero, high=compute)
                 except PoolExhausted:
                     if self._release_deferred(block=False) or self._evict_cached(protect) \
                             or self._release_deferred(block=True):
@@ -658,7 +672,7 @@ class Engine:
         with self._host_lock:
             if u.host_compute is not None:
                 return None
-            comp, buf = self._host_acquire(self.home_compute_numel(u), self.dtype, protect=u)
+            comp, buf = self._host_acquire(self.home_compute_numel(u), self.dtype, protect=u, compute=True)
             u.host_compute, u.host_buf = comp, buf
             self._settle_write_back(u)
             return self.nvme.read(swap_key(u.index, "compute"), comp)
@@ -967,10 +981,11 @@ class Engine:
         with self._host_lock:
             if u.host_compute is None or (u.host_busy is not None and not u.host_busy.done()):
                 if u.host_compute is None and len(u.layout.trainable_slots) == len(u.layout.slots) \
-                        and self.zero != 3:
-                    # The update writes every parameter of the unit: no need to
-                    # read the old copy, only to zero the padding between them.
-                    comp, buf = self._host_acquire(u.compute_numel, self.dtype, protect=u)
+                        and self.zero == 0:
+                    # The update writes every parameter of the unit (under ZeRO
+                    # only its shard): no need to read the old copy, only to
+                    # zero the padding between them.
+                    comp, buf = self._host_acquire(u.compute_numel, self.dtype, protect=u, compute=True)
                     Layout.zero_padding(comp, u.layout.slots)
                     u.host_compute, u.host_buf = comp, buf
                 elif u.host_compute is None:
@@ -982,6 +997,14 @@ class Engine:
                     u.host_busy.wait()
             u.host_locks += 1
             return u.host_compute
+
+    def compute_written(self, u: Unit) -> None:
+        """Ends a write into ``u``'s host compute copy begun by :meth:`opt_out`:
+        the copy is dirty (reaches NVMe when evicted) and may be evicted again."""
+        if self.params_nvme and not self.master_is_compute(u):
+            with self._host_lock:
+                u.host_dirty = True
+                u.host_locks -= 1
 
     def opt_store(self, u: Unit) -> None:
         """Writes ``u``'s updated state back to NVMe (asynchronously; buffers
@@ -996,10 +1019,12 @@ class Engine:
             u.opt_bufs = []
             u.master = None
             u.moments_fresh = False
-        if self.params_nvme:
+        if self.master_is_compute(u):
             with self._host_lock:
-                u.host_dirty = True  # reaches NVMe when evicted from the host cache
+                u.host_dirty = True  # updated in place as the master
                 u.host_locks -= 1
+        else:
+            self.compute_written(u)
 
     def opt_store_unchanged(self, u: Unit) -> None:
         """Frees the state buffers of a unit that got no gradient (nothing changed on NVMe)."""

@@ -78,12 +78,16 @@ class InfinityOptimizer(torch.optim.Optimizer):
         [Note: ZeRO shards in infinity]); stage 2 frees the full buffer."""
         eng = self.engine
         eng.wait_grads(u)
+        if u.grad is None:
+            # Spilled to NVMe (read back), or no gradient on this rank (contribute zeros).
+            spilled = u.grad_on_nvme
+            eng.acquire_grad(u)
+            if not spilled:
+                u.grad.zero_()
         if not eng.zero:  # plain data parallelism: every rank keeps the summed gradients
             eng.sharding.all_reduce_(u.grad)
             u.grad_reduced = True
             return
-        if u.grad is None:  # no gradient on this rank: contribute zeros
-            eng.acquire_grad(u)
         eng.sharding.reduce_scatter(u.grad_shard, u.grad)
         if eng.zero >= 2:
             eng.release_grad(u)
@@ -260,7 +264,9 @@ class InfinityOptimizer(torch.optim.Optimizer):
             if eng.zero in (1, 2):  # every rank gets the new compute copies of every shard
                 for u in eng.units:
                     if u.trainable_numel:
-                        eng.sharding.all_gather_(u.host_compute[:u.trainable_numel])
+                        comp = eng.opt_out(u)  # NVMe home: the cached copy, read back if evicted
+                        eng.sharding.all_gather_(comp[:u.trainable_numel])
+                        eng.compute_written(u)
             eng.stats.steps += 1
         for u in eng.units:
             self._consume(u)

@@ -125,7 +125,9 @@ class HostTier:
         self._buffers = []
         if capacity_bytes > 0:
             from ..io.host_pool import HostPool
-            self.pool = HostPool(min(capacity_bytes, budget_bytes), pin="auto" if pin else "none")
+            # The pool rounds its size up to 4 KiB; round the budget down first so it is never exceeded.
+            size = min(capacity_bytes, budget_bytes // HostPool.ALIGN * HostPool.ALIGN or HostPool.ALIGN)
+            self.pool = HostPool(size, pin="auto" if pin else "none")
 
     @staticmethod
     def _nbytes(numel: int, dtype: torch.dtype) -> int:

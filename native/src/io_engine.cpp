@@ -456,6 +456,13 @@ struct inf_io_engine {
         pre(b);
         prep_sqe(ring, b);
         io_inflight++;
+        if (b->slot >= 0 && b->r->op == INF_IO_WRITE && ring.pending) {
+          // A staged write goes out as soon as it is copied, so the disk
+          // works while the next block is staged (else it idles for the
+          // copies of the whole batch).
+          int k = sys_uring_enter(ring.fd, ring.pending, 0, 0);
+          if (k > 0) ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(k));
+        }
       }
       if (need_poll && arm_poll(w)) need_poll = false;
       // 2. Submit, and block for at least one completion unless some blocks
