@@ -7,6 +7,7 @@ pure-Python fallback (the same contract, the same errors).
 import errno
 import os
 import stat
+import shutil
 import subprocess
 import sys
 import threading
@@ -379,11 +380,27 @@ def _mount_tmpfs(path, size):
     return r.returncode == 0
 
 
-@pytest.fixture
-def small_fs(tmp_path):
+def _mount_ext4_loop(path, image, size_mib):
+    """An ext4 filesystem of ``size_mib`` MiB in a file, loop-mounted: O_DIRECT
+    works there (tmpfs refuses it), so the direct path meets a real full disk."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        return False
+    with open(image, "wb") as f:
+        f.truncate(size_mib * MiB)
+    if subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True).returncode != 0:
+        return False
+    path.mkdir(exist_ok=True)
+    return subprocess.run(["mount", "-o", "loop", str(image), str(path)], capture_output=True).returncode == 0
+
+
+@pytest.fixture(params=["tmpfs", "ext4-loop"])
+def small_fs(tmp_path, request):
+    """A real filesystem of about 8 MiB free."""
     mnt = tmp_path / "small"
-    if not _mount_tmpfs(mnt, "8m"):
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    ok = _mount_tmpfs(mnt, "8m") if request.param == "tmpfs" else \
+        _mount_ext4_loop(mnt, tmp_path / "small.img", 10)
+    if not ok:
+        pytest.skip(f"cannot mount a small {request.param} here (needs root)")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
