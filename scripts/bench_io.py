@@ -15,6 +15,9 @@ Cases
                            through the store's pinned buffers).
   aiofiles/*     aiofiles write+fsync and cold read (page cache dropped for the
                  file), the reference system's fallback approach.
+  deepspeed-aio/* DeepSpeed's AIO op (libaio), where DeepSpeed is installed, in
+                 its best configuration here (1 MiB blocks, queue depth 32, two
+                 threads), from its page-locked tensors and from plain tensors.
 Writes are measured into fresh (just preallocated, never written) extents and as
 overwrites; reads are O_DIRECT (or cold), so the page cache is not measured.
 
@@ -130,6 +133,48 @@ def aiofiles_run(path: str, data: bytes, size: int, bs: int) -> tuple:
     return w, r
 
 
+# ---- DeepSpeed AIO (the reference system), where installed -----------------------------------
+
+
+def ds_aio_handle():
+    """DeepSpeed's async I/O op in its best configuration measured on these
+    machines (1 MiB blocks, queue depth 32, two threads), or None when
+    DeepSpeed (or its AIO op: libaio) is not available."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        b = AsyncIOBuilder()
+        if not b.is_compatible(verbose=False):
+            return None
+        return b.load(verbose=False).aio_handle(1 * MiB, 32, False, True, 2)
+    except Exception as exc:  # not installed, or its JIT build failed
+        print(f"[bench_io] DeepSpeed AIO not measured: {exc!r}"[:200], file=sys.stderr)
+        return None
+
+
+def ds_aio_run(handle, path: str, size: int, locked: bool) -> dict:
+    """Fresh write, overwrite and read of one file by DeepSpeed AIO, from its
+    own page-locked tensor or from an ordinary tensor (its bounce path)."""
+    if locked:
+        t = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+    else:
+        t = torch.empty(size, dtype=torch.uint8)
+    t.fill_(7)
+    res = {}
+    try:
+        for name, fn in [("write_fresh", lambda: handle.sync_pwrite(t, path)),
+                         ("write_over", lambda: handle.sync_pwrite(t, path)),
+                         ("read", lambda: handle.sync_pread(t, path))]:
+            start = time.perf_counter()
+            fn()
+            res[name] = gbps(size, time.perf_counter() - start)
+    finally:
+        if locked:
+            handle.free_cpu_locked_tensor(t)
+        if os.path.exists(path):
+            os.unlink(path)
+    return res
+
+
 # ---- store -----------------------------------------------------------------------------------
 
 
@@ -218,7 +263,7 @@ def main() -> int:
     if args.full:
         grid = [(bs * MiB, qd) for bs in (1, 4, 8, 16) for qd in (1, 4, 8, 32)]
     else:
-        grid = [(1 * MiB, 32), (4 * MiB, 16), (8 * MiB, 8)]
+        grid = [(1 * MiB, 32), (4 * MiB, 16), (8 * MiB, 8), (8 * MiB, 16)]  # the last: Config's defaults
     store_cases = []
     if native:
         for bs, qd in grid:
@@ -242,6 +287,7 @@ def main() -> int:
     data = bytes(pool_buf[:8 * MiB].numpy())
 
     samples: dict = {}
+    ds = ds_aio_handle()
 
     def add(case, metric, v):
         samples.setdefault(case, {}).setdefault(metric, []).append(v)
@@ -267,6 +313,11 @@ def main() -> int:
                     add(case, k, v)
                 for d in dirs:
                     shutil.rmtree(d, ignore_errors=True)
+            if ds is not None:
+                for locked in (True, False):
+                    r = ds_aio_run(ds, str(root / "ds.bin"), size, locked)
+                    for k, v in r.items():
+                        add(f"deepspeed-aio/bs1M-qd32-t2-{'locked' if locked else 'plain'}", k, v)
             if have_aio:
                 f = str(root / "aio.bin")
                 w, rd = aiofiles_run(f, data, size, 8 * MiB)
@@ -316,7 +367,21 @@ def main() -> int:
           "store / raw, median of per-round ratios")
     for c, ms in paired.items():
         print(f"{c:42s}" + "".join(f"{m:>8s} {v:.2f}" for m, v in ms.items()))
-    out = {"paired_ratio_same_extents": paired, "size_bytes": size, "rounds": args.rounds, "raw_tools": sorted({c[0] for c in raw_cases}), "median_gbps": med,
+    vs_ds = {}
+    for c, ms in med.items():
+        if c.startswith("store/"):
+            for m, ref_case, ref_m in (("write_fresh", "locked", "write_fresh"), ("write_over", "locked", "write_over"),
+                                       ("read", "locked", "read"), ("read_plain", "plain", "read"),
+                                       ("write_plain", "plain", "write_over")):
+                d = med.get(f"deepspeed-aio/bs1M-qd32-t2-{ref_case}", {}).get(ref_m)
+                if d and m in ms:
+                    vs_ds.setdefault(c, {})[m] = round(ms[m] / d, 2)
+    if vs_ds:
+        print("\nAgainst DeepSpeed AIO in the same run (store / DeepSpeed; pool buffers against its locked "
+              "tensors, plain tensors against plain tensors)")
+        for c, ms in vs_ds.items():
+            print(f"{c:42s}" + "".join(f"{m:>12s} {v:.2f}" for m, v in ms.items()))
+    out = {"ratio_to_deepspeed_aio": vs_ds, "paired_ratio_same_extents": paired, "size_bytes": size, "rounds": args.rounds, "raw_tools": sorted({c[0] for c in raw_cases}), "median_gbps": med,
            "samples_gbps": samples, "best_raw_gbps": best_raw, "ratio_to_best_raw": ratios,
            "native": native, "seconds": round(time.time() - t0, 1)}
     print(json.dumps(out, indent=1, sort_keys=True))
