@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -19,11 +20,22 @@ __all__ = ["initialize", "stats", "full_state_dict", "engine_of", "close"]
 # model -> its engine. Weak, so a dropped model frees its engine.
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, Engine]" = weakref.WeakKeyDictionary()
 
+
+@atexit.register
+def _close_all() -> None:
+    # While the interpreter is still whole: engines a script never closed
+    # settle their collectives and remove their swap files.
+    for model in list(_ENGINES.keys()):
+        try:
+            close(model)
+        except Exception:
+            pass
+
 _OPT_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw_mode")
 
 
 def initialize(model: nn.Module, config: Optional[Config] = None, *, param_groups: Optional[List[dict]] = None,
-               **optimizer_kwargs: Any) -> Tuple[nn.Module, InfinityOptimizer]:
+               process_group: Any = None, **optimizer_kwargs: Any) -> Tuple[nn.Module, InfinityOptimizer]:
     """Takes over ``model``'s parameters and returns ``(model, optimizer)``.
 
     The model is the same object, with hooks that page each unit's parameters
@@ -33,6 +45,10 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
     Args:
         model: an ordinary ``nn.Module`` (fp32 parameters on the CPU or meta).
         config: :class:`infinity.Config` (default: ``Config()``).
+        process_group: the torch.distributed group the model is data-parallel
+            over (ZeRO shards, gradient reduction); default the whole world.
+            Every rank of the group calls ``initialize`` with the same model
+            and config.
         param_groups: optional torch-style groups (dicts with ``"params"``, a
             list of the model's parameters, plus any of lr, betas, eps,
             weight_decay, adamw_mode); parameters not listed join a default group.
@@ -88,7 +104,7 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
         groups.append(dict(defaults, params=rest))
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
 
-    engine = Engine(model, config, group_of)
+    engine = Engine(model, config, group_of, process_group)
     # Only non-empty groups: torch's Optimizer refuses empty ones.
     groups = [g for g in groups if g["params"]] or [dict(defaults, params=[])]
     remap = {}

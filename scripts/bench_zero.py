@@ -3,7 +3,7 @@
 communicated against theory, in one run.
 
 Launch with torchrun (gloo on CPUs, NCCL on GPUs):
-    torchrun --nproc-per-node 2 scripts/bench_zero.py [--device cpu] [--layers 8 --embd 384]
+    torchrun --nproc-per-node 2 scripts/bench_zero.py [--device cpu] [--layers 24 --embd 192]
 
 For each stage (0 = plain data parallelism, 1, 2, 3) it trains the same GPT-style
 model with host offload for a few steps and reports, from infinity.stats on
@@ -37,8 +37,10 @@ from infinity.models import GPT, GPTConfig  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--embd", type=int, default=384)
+    # Deep and narrow: at the smallest device budget the few units kept at the
+    # turn of forward to backward are a small part of the model, as in real ones.
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--embd", type=int, default=192, help="a multiple of 6 (heads)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2, help="per rank")
     ap.add_argument("--steps", type=int, default=5)
@@ -54,14 +56,22 @@ def main() -> int:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     rows = []
-    for stage in (0, 1, 2, 3):
+    minimum = None
+    # Stage 3 runs twice: with the budget given (units the budget can keep
+    # stay on the device from forward to backward and are not gathered again)
+    # and at the smallest budget, where every unit but the few at the turn
+    # of forward to backward is gathered twice: the 3 psi of theory.
+    for stage, budget in ((0, args.device_memory), (1, args.device_memory), (2, args.device_memory),
+                          (3, args.device_memory), (3, "minimum")):
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=4096, block_size=args.seq, n_layer=args.layers, n_head=6, n_embd=args.embd))
         n = sum(p.numel() for p in model.parameters())
         cfg = infinity.Config(device=args.device, dtype="fp32", host_memory="8GiB", zero_stage=stage,
-                              device_memory=args.device_memory,
+                              device_memory=minimum if budget == "minimum" else budget,
                               offload_params="host", offload_optimizer="host", overlap="step")
         model, opt = infinity.initialize(model, cfg, lr=1e-4)
+        if stage == 3 and minimum is None:
+            minimum = infinity.api.engine_of(model).device_minimum()
         gen = torch.Generator().manual_seed(rank)
         x = torch.randint(0, 4096, (args.batch, args.seq), generator=gen)
         times = []
@@ -79,7 +89,7 @@ def main() -> int:
         theory = {0: 2 * psi, 1: 2 * psi, 2: 2 * psi, 3: 3 * psi}[stage]
         state = s["state_bytes"]
         share = {k: v / (4 * n) for k, v in state.items()}
-        row = {"stage": stage, "rank": rank, "params": n, "step_s": statistics.median(times),
+        row = {"stage": stage, "budget": "minimum" if budget == "minimum" else budget, "rank": rank, "params": n, "step_s": statistics.median(times),
                "state_bytes": state, "state_share": share, "comm_bytes_per_step": sum(comm.values()),
                "comm_theory": theory, "comm_ratio": sum(comm.values()) / theory, "comm": comm,
                "peak_bytes": s["peak_bytes"]}
@@ -93,21 +103,25 @@ def main() -> int:
         for rr in everyone:
             for r in rr:
                 sh = r["state_share"]
-                print(f"{r['stage']:5d} {r['rank']:4d} {r['step_s']:7.3f} {sh['master']:7.3f} "
+                tag = "3min" if r["budget"] == "minimum" else str(r["stage"])
+                print(f"{tag:>5s} {r['rank']:4d} {r['step_s']:7.3f} {sh['master']:7.3f} "
                       f"{(sh['exp_avg'] + sh['exp_avg_sq']) / 2:8.3f} {sh['grad']:6.3f} "
                       f"{r['comm_bytes_per_step'] / 2**20:9.1f}M {r['comm_ratio']:8.3f} "
                       f"{r['peak_bytes']['host'] / 2**20:13.1f}")
-        r0 = {r["stage"]: r for r in everyone[0]}
+        r0 = {r["stage"]: r for r in everyone[0] if r["budget"] != "minimum"}
+        r3min = [r for r in everyone[0] if r["budget"] == "minimum"][0]
         ok_mem = all(abs(r0[st]["state_share"][k] * world - 1) <= 0.05 for st in (1, 2, 3)
                      for k in ("master", "exp_avg", "exp_avg_sq")) and \
             all(abs(r0[st]["state_share"]["grad"] * world - 1) <= 0.05 for st in (2, 3))
         ok_comm = all(abs(r0[st]["comm_ratio"] - 1) <= 0.10 for st in (0, 1, 2))
+        ok3 = abs(r3min["comm_ratio"] - 1) <= 0.10
         ratio3 = r0[3]["step_s"] / r0[0]["step_s"]
         print(f"\nTargets: per-rank sharded state within 5% of 1/N: {'PASS' if ok_mem else 'FAIL'}; "
-              f"communicated bytes within 10% of theory (stages 0-2): {'PASS' if ok_comm else 'FAIL'}; "
-              f"stage 3: {r0[3]['comm_ratio']:.2f} x its 3 psi (units kept on the device between forward and "
-              f"backward are not gathered again); stage 3 / stage 0 step time {ratio3:.3f} "
-              f"(<= 1.3: {'PASS' if ratio3 <= 1.3 else 'FAIL'})")
+              f"communicated bytes within 10% of theory: stages 0-2 {'PASS' if ok_comm else 'FAIL'}, "
+              f"stage 3 at the smallest device budget {r3min['comm_ratio']:.3f} x 3 psi "
+              f"{'PASS' if ok3 else 'FAIL'} (with the budget given: {r0[3]['comm_ratio']:.3f} x 3 psi; units "
+              f"kept on the device from forward to backward are not gathered again); stage 3 / stage 0 step "
+              f"time {ratio3:.3f} (<= 1.3: {'PASS' if ratio3 <= 1.3 else 'FAIL'})")
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(everyone, indent=1))

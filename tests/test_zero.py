@@ -166,3 +166,20 @@ def test_four_ranks_match_the_single_process_reference(tmp_path):
             assert expect <= s["peak_bytes"]["nvme"] <= expect * 1.1, (s["peak_bytes"]["nvme"], expect)
         else:
             assert 4 * n / 4 <= s["state_bytes"]["exp_avg"] <= 4 * n / 4 * 1.05  # a quarter, plus padding
+
+
+def test_process_group_two_groups_of_two(tmp_path):
+    """initialize(process_group=...): four ranks as two independent
+    data-parallel groups of two (stage 2, NVMe state, each rank its own swap
+    folder); each group matches the 2-rank reference."""
+    cases = [dict(stage=2, steps=4, opt="nvme", overlap="backward")]
+    port = random.randint(20000, 40000)
+    mp.spawn(zero_worker.run, args=(4, port, cases, str(tmp_path), 2), nprocs=4, join=True)
+    ref_losses, ref_state = reference(cases[0], world=2)
+    for g in (0, 1):
+        res = torch.load(tmp_path / f"case0_g{g}.pt")
+        assert res["stats"]["world_size"] == 2
+        for i, (l, r) in enumerate(zip(res["losses"], ref_losses)):
+            assert abs(l - r) <= 1e-5 * abs(r), (g, i, l, r)
+        assert_params_close(res["state"], ref_state, global_scale=True)
+    assert sorted(p.name for p in (tmp_path / "swap0").iterdir()) == []  # every rank removed its folder's files

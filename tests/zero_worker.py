@@ -12,11 +12,22 @@ import infinity  # noqa: E402
 from engine_utils import batches, small_gpt, unit_bytes  # noqa: E402
 
 
-def run(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
+def run(rank: int, world: int, port: int, cases: list, out_dir: str, group_size: int = 0) -> None:
+    """Trains each case; with ``group_size``, the world splits into groups of
+    that many consecutive ranks, each data-parallel on its own (initialize's
+    process_group), and each group's first rank writes case{i}_g{group}.pt."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    group, gid, suffix = None, 0, ""
+    if group_size:
+        for g in range(world // group_size):  # every rank creates every group
+            pg = dist.new_group(list(range(g * group_size, (g + 1) * group_size)))
+            if rank // group_size == g:
+                group, gid = pg, g
+        suffix = f"_g{gid}"
+    grank, gworld = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (rank, world)
     try:
         for ci, case in enumerate(cases):
             dev = 64 << 20 if case.get("params") == "none" else 8 * unit_bytes(small_gpt())
@@ -28,28 +39,29 @@ def run(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
                                   swap_paths=[os.path.join(out_dir, f"swap{ci}")],
                                   max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1))
             model, opt = infinity.initialize(small_gpt(n_layer=case.get("layers", 8)), cfg, lr=1e-3,
-                                             weight_decay=0.1)
+                                             weight_decay=0.1, process_group=group)
             accum, steps = case.get("accum", 1), case["steps"]
-            data = batches(steps * accum, seed=0, b=2 * world)
+            data = batches(steps * accum, seed=0, b=2 * gworld)
             losses, norms = [], []
             for step in range(steps):
                 tot = 0.0
                 for a in range(accum):
                     x, y = data[step * accum + a]
-                    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+                    x, y = x.chunk(gworld)[grank], y.chunk(gworld)[grank]
                     loss = model(x, y) / accum
                     loss.backward()
                     tot += loss.item()
                 opt.step()
                 opt.zero_grad()
                 t = torch.tensor([tot])
-                dist.all_reduce(t)
-                losses.append(t.item() / world)
+                dist.all_reduce(t, group=group)
+                losses.append(t.item() / gworld)
                 norms.append(opt.last_grad_norm)
-            full = infinity.full_state_dict(model)  # collective: every rank calls it
+            full = infinity.full_state_dict(model)  # collective: every rank of the group calls it
             s = infinity.stats(model)
-            if rank == 0:
-                torch.save({"losses": losses, "norms": norms, "state": full, "stats": s}, os.path.join(out_dir, f"case{ci}.pt"))
+            if grank == 0:
+                torch.save({"losses": losses, "norms": norms, "state": full, "stats": s},
+                           os.path.join(out_dir, f"case{ci}{suffix}.pt"))
             infinity.close(model)
     finally:
         dist.destroy_process_group()

@@ -44,7 +44,7 @@ def _round_pool(nbytes: int) -> int:
 class Engine:
     """Owns the units of one model and every byte of their state."""
 
-    def __init__(self, model: nn.Module, config: Config, group_of: Dict[int, int]):
+    def __init__(self, model: nn.Module, config: Config, group_of: Dict[int, int], process_group=None):
         self.model = model
         self.config = config
         self.device = config.resolve_device()
@@ -68,7 +68,7 @@ class Engine:
         self.micro_batches = 0               # backward passes since the last step
         self._grad_bytes_outstanding: List[Tuple[Ticket, int]] = []
         self._closed = False
-        self.sharding = Sharding(config.zero_stage, self.stats)
+        self.sharding = Sharding(config.zero_stage, self.stats, group=process_group)
         self.zero = config.zero_stage
         if self.sharding.world > 1:
             desc = {f"config.{k}": v for k, v in config.to_dict().items() if k != "swap_paths"}
@@ -143,6 +143,13 @@ class Engine:
         return {"arena_min": arena_min, "all_compute": all_compute, "grad_reserve": grad_reserve,
                 "opt_fixed": opt_fixed, "largest_unit": others[0] if others else 0}
 
+    def device_minimum(self) -> int:
+        """The smallest ``device_memory`` (bytes) this model and config run
+        with: the root unit, ``prefetch_depth + 1`` of the largest units, the
+        gradient reserve and the device-side optimizer state."""
+        need = self.device_need()
+        return need["arena_min"] + need["grad_reserve"] + need["opt_fixed"] + 512 * len(self.units)
+
     def _place(self, model: nn.Module) -> None:
         cfg = self.config
         need = self.device_need()
@@ -153,7 +160,7 @@ class Engine:
                 budget = int(free * 0.9)
             else:
                 budget = need["all_compute"] + need["grad_reserve"] + need["opt_fixed"] + 4096 * len(self.units)
-        minimum = need["arena_min"] + need["grad_reserve"] + need["opt_fixed"] + 512 * len(self.units)
+        minimum = self.device_minimum()
         if budget < minimum:
             biggest = max(self.units[1:], key=self._compute_bytes, default=self.units[0])
             raise BudgetError(
@@ -223,7 +230,8 @@ class Engine:
         if self.nvme_used:
             keys = len(self.units) * 5
             slack = 2 * 4096 * keys * len(cfg.swap_paths) + 64 * 4096
-            self.nvme = NvmeTier(cfg.swap_paths, nvme_need + slack, self.stats, rank=self.sharding.rank,
+            # The global rank names the folder: ranks of different groups on one node never share it.
+            self.nvme = NvmeTier(cfg.swap_paths, nvme_need + slack, self.stats, rank=self.sharding.global_rank,
                                  block_size=cfg.swap_block_size,
                                  queue_depth=cfg.swap_queue_depth, backend=cfg.swap_backend,
                                  checksum=cfg.swap_checksum)
@@ -1096,12 +1104,35 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._settle_collectives()
         self.mover.close()
         if self.nvme is not None:
             with self._host_lock:
                 for h, buf in self._deferred:
                     h.wait()
             self.nvme.close()
+
+
+    def _settle_collectives(self, timeout_s: float = 30.0) -> None:
+        """Waits (at most ``timeout_s`` seconds each) for stage-3 gathers still
+        in flight, e.g. prefetches nobody used. Every rank issued the same ones,
+        so they complete; left pending, gloo finishes them on its own thread
+        while the interpreter shuts down and the process aborts. A gather not
+        issued yet (NVMe, deferred) stays unissued on every rank alike."""
+        import datetime
+        for u in self.units:
+            t = u.fetch_ticket
+            if isinstance(t, DeferredTicket):
+                t = t.inner
+            for w in getattr(t, "works", ()):
+                try:
+                    w.wait(datetime.timedelta(seconds=timeout_s))
+                except Exception:  # a failed peer: nothing left to protect
+                    pass
+            # Drop the Work objects now: held by a closed engine (freed only by
+            # the final garbage collection) they outlive the process group's
+            # destruction and are released on gloo's thread during shutdown.
+            u.fetch_ticket = u.host_busy = None
 
 
 def _available_ram() -> int:

@@ -28,6 +28,12 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
+# torch.optim.Optimizer imports torch._dynamo on first use. Imported after
+# init_process_group, it keeps the gloo group alive past destroy_process_group
+# (torch 2.13), and gloo then releases its last work during interpreter
+# shutdown, which can abort a finished run (SIGABRT). Imported with infinity,
+# usually before the process group exists, it does not.
+import torch._dynamo  # noqa: F401,E402
 
 from ..optim.functional import adamw_step_, check_hyperparameters
 from .core import Engine

@@ -45,6 +45,7 @@ class Sharding:
         # parallelism (gradients all-reduced, nothing sharded).
         self.world = dist.get_world_size(group) if initialised else 1
         self.rank = dist.get_rank(group) if initialised else 0
+        self.global_rank = dist.get_rank() if initialised else 0
         self.sharded = stage > 0
         self.shards = self.world if self.sharded else 1  # what buffers are padded to and split into
         self.stats = stats
