@@ -322,32 +322,30 @@ struct inf_io_engine {
   // CRCs of a block's checksum chunks: stored (writes) or verified (reads).
   int post_crcs(Block* b, std::string& msg) {
     Request* r = b->r;
-    {
-      int64_t body_end = std::min(b->rel + b->len, r->aligned);
-      struct Chunk {
-        int64_t idx, start, end;
-      } chunks[2];
-      int nc = 0;
-      if (b->rel < r->aligned) chunks[nc++] = {b->index, b->rel, body_end};
-      if (r->nbytes > r->aligned && r->aligned >= b->rel && r->aligned < b->rel + b->len)
-        chunks[nc++] = {(r->aligned + block - 1) / block, r->aligned, r->nbytes};
-      for (int i = 0; i < nc; i++) {
-        uint32_t c = inf_crc32c(0, b->mem + (chunks[i].start - b->rel), chunks[i].end - chunks[i].start);
-        if (r->op == INF_IO_READ && r->verify) {
-          if (c != r->crcs[chunks[i].idx]) {
-            char buf[1024];
-            snprintf(buf, sizeof buf,
-                     "checksum mismatch in '%s' at offset %lld (%lld bytes): stored crc32c 0x%08x, "
-                     "read 0x%08x (request: offset %lld, %lld bytes)",
-                     r->file->path.c_str(), (long long)(r->offset + chunks[i].start),
-                     (long long)(chunks[i].end - chunks[i].start), r->crcs[chunks[i].idx], c,
-                     (long long)r->offset, (long long)r->nbytes);
-            msg = buf;
-            return INF_IO_E_CHECKSUM;
-          }
-        } else {
-          r->crcs[chunks[i].idx] = c;
+    int64_t body_end = std::min(b->rel + b->len, r->aligned);
+    struct Chunk {
+      int64_t idx, start, end;
+    } chunks[2];
+    int nc = 0;
+    if (b->rel < r->aligned) chunks[nc++] = {b->index, b->rel, body_end};
+    if (r->nbytes > r->aligned && r->aligned >= b->rel && r->aligned < b->rel + b->len)
+      chunks[nc++] = {(r->aligned + block - 1) / block, r->aligned, r->nbytes};
+    for (int i = 0; i < nc; i++) {
+      uint32_t c = inf_crc32c(0, b->mem + (chunks[i].start - b->rel), chunks[i].end - chunks[i].start);
+      if (r->op == INF_IO_READ && r->verify) {
+        if (c != r->crcs[chunks[i].idx]) {
+          char buf[1024];
+          snprintf(buf, sizeof buf,
+                   "checksum mismatch in '%s' at offset %lld (%lld bytes): stored crc32c 0x%08x, "
+                   "read 0x%08x (request: offset %lld, %lld bytes)",
+                   r->file->path.c_str(), (long long)(r->offset + chunks[i].start),
+                   (long long)(chunks[i].end - chunks[i].start), r->crcs[chunks[i].idx], c,
+                   (long long)r->offset, (long long)r->nbytes);
+          msg = buf;
+          return INF_IO_E_CHECKSUM;
         }
+      } else {
+        r->crcs[chunks[i].idx] = c;
       }
     }
     return 0;
