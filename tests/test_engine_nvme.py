@@ -135,7 +135,9 @@ def test_nvme_traffic_falls_as_host_budget_grows(tmp_path):
     # With every compute copy cached, only the optimizer state is read, and
     # written: updated compute copies stay in the cache (write-back).
     assert reads[2] == state_bytes
-    assert writes[2] == state_bytes and writes[0] > writes[2], writes
+    # (Whether a small budget ever evicts a dirty copy depends on packing; the
+    # write-back itself is tested in test_nvme_write_back_of_evicted_compute_copies.)
+    assert writes[2] == state_bytes and writes[0] >= writes[2], writes
 
 
 def test_swap_files_are_owned_and_removed(tmp_path):
