@@ -209,7 +209,8 @@ def raw_extents(pieces, rw: str, bs: int, depth: int, mem: memoryview) -> float:
 def store_run(dirs, backend, bs, qd, size, pool_buf, plain) -> dict:
     """One store life: fresh write, overwrite, read (pool), read and write
     (plain); then reads and overwrites of the same extents, raw and by the
-    store in turn (raw_same_*: the paired baseline)."""
+    store in turn (raw_same_*: the paired baseline; the store's overwrite
+    from the pool buffer, then from a plain tensor)."""
     res = {}
     with SwapStore(dirs, capacity_bytes=size + len(dirs) * 16 * MiB, backend=backend, block_size=bs,
                    queue_depth=qd) as s:
@@ -238,6 +239,10 @@ def store_run(dirs, backend, bs, qd, size, pool_buf, plain) -> dict:
             t = time.perf_counter()
             s.write("k", pool_buf).wait()
             res["write_same"] = gbps(size, time.perf_counter() - t)
+            res["raw_same_write_plain"] = raw_extents(pieces, "write", bs, qd, mem)
+            t = time.perf_counter()
+            s.write("k", plain).wait()
+            res["write_plain_same"] = gbps(size, time.perf_counter() - t)
     return res
 
 
@@ -343,7 +348,7 @@ def main() -> int:
     # it (same file, region and data freshness; median of per-round ratios).
     paired = {}
     for c, ms in samples.items():
-        for m in ("read", "write"):
+        for m in ("read", "write", "write_plain"):
             a, b = ms.get(f"{m}_same"), ms.get(f"raw_same_{m}")
             if a and b:
                 paired.setdefault(c, {})[m] = round(statistics.median(x / y for x, y in zip(a, b)), 3)
@@ -366,7 +371,7 @@ def main() -> int:
     print("\nPaired with raw O_DIRECT on the store's own extents (same file, region and data freshness): "
           "store / raw, median of per-round ratios")
     for c, ms in paired.items():
-        print(f"{c:42s}" + "".join(f"{m:>8s} {v:.2f}" for m, v in ms.items()))
+        print(f"{c:42s}" + "".join(f"{m:>13s} {v:.2f}" for m, v in ms.items()))
     vs_ds = {}
     for c, ms in med.items():
         if c.startswith("store/"):
