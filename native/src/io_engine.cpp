@@ -555,14 +555,32 @@ struct inf_io_engine {
         int k = sys_uring_enter(ring.fd, ring.pending, 0, 0);
         if (k > 0) ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(k));
       }
-      // 4. Checksums and copies, then completion.
+      // 4. Checksums and copies, then completion. A staged block's slot is
+      //    refilled as soon as it is free, so the disk is not left idle while
+      //    the copies of a whole batch of completions run.
       for (size_t i = 0; i < finished.size(); i++) {
-        if (finished[i].second == 0) finished[i].second = post(finished[i].first, msgs[i]);
-      }
-      if (!finished.empty()) {
-        std::lock_guard<std::mutex> lk(mu);
-        for (size_t i = 0; i < finished.size(); i++)
-          finish(finished[i].first, finished[i].second, std::move(msgs[i]));
+        Block* b = finished[i].first;
+        const bool staged = b->slot >= 0;
+        if (finished[i].second == 0) finished[i].second = post(b, msgs[i]);
+        Block* next = nullptr;
+        {
+          std::lock_guard<std::mutex> lk(mu);
+          finish(b, finished[i].second, std::move(msgs[i]));
+          if (staged && io_inflight < w->limit) next = claim();
+        }
+        if (next) {
+          if (next->fault_err) {  // reported with the next batch
+            finished.emplace_back(next, -next->fault_err);
+            msgs.push_back(fmt_error(*next, next->fault_err) + " [injected fault]");
+            continue;
+          }
+          pre(next);
+          prep_sqe(ring, next);
+          io_inflight++;
+          int k = sys_uring_enter(ring.fd, ring.pending, 0, 0);
+          if (k > 0) ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(k));
+          write_crcs(next);
+        }
       }
       finished.clear();
       msgs.clear();
