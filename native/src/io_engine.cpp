@@ -446,6 +446,30 @@ struct inf_io_engine {
     sqe->user_data = reinterpret_cast<uint64_t>(b);
   }
 
+  // Submits the SQEs queued in the ring without waiting for completions.
+  static void submit_pending(Ring& ring) {
+    if (!ring.pending) return;
+    int k = sys_uring_enter(ring.fd, ring.pending, 0, 0);
+    if (k > 0) ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(k));
+  }
+
+  // Starts a claimed block: an injected fault joins `finished` (reported with
+  // the next completions); else the block is staged, queued and, with `now`,
+  // submitted at once. True if it went to the disk.
+  bool launch(Ring& ring, Block* b, bool now, std::vector<std::pair<Block*, int>>& finished,
+              std::vector<std::string>& msgs, int& io_inflight) {
+    if (b->fault_err) {
+      finished.emplace_back(b, -b->fault_err);
+      msgs.push_back(fmt_error(*b, b->fault_err) + " [injected fault]");
+      return false;
+    }
+    pre(b);
+    prep_sqe(ring, b);
+    io_inflight++;
+    if (now) submit_pending(ring);
+    return true;
+  }
+
   void uring_main(UringWorker* w) {
     Ring& ring = w->ring;
     const int evfd = w->evfd;
@@ -467,27 +491,10 @@ struct inf_io_engine {
         stop = stopping && active.empty() && inflight == 0;
       }
       if (stop) return;
-      for (Block* b : fresh) {
-        if (b->fault_err) {
-          finished.emplace_back(b, -b->fault_err);
-          msgs.push_back(fmt_error(*b, b->fault_err) + " [injected fault]");
-          continue;
-        }
-        pre(b);
-        prep_sqe(ring, b);
-        io_inflight++;
-        if (b->slot >= 0 && b->r->op == INF_IO_WRITE && ring.pending) {
-          // A staged write goes out as soon as it is copied, so the disk
-          // works while the next block is staged (else it idles for the
-          // copies of the whole batch).
-          int k = sys_uring_enter(ring.fd, ring.pending, 0, 0);
-          if (k > 0) ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(k));
-        }
-      }
-      if (!fresh.empty() && ring.pending) {
-        int k = sys_uring_enter(ring.fd, ring.pending, 0, 0);
-        if (k > 0) ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(k));
-      }
+      // A staged write goes out as soon as it is copied, so the disk works
+      // while the next block is staged (else it idles for the whole batch).
+      for (Block* b : fresh) launch(ring, b, b->slot >= 0 && b->r->op == INF_IO_WRITE, finished, msgs, io_inflight);
+      submit_pending(ring);
       for (Block* b : fresh) {
         if (!b->fault_err) write_crcs(b);
       }
@@ -550,11 +557,7 @@ struct inf_io_engine {
         msgs.emplace_back();
       }
       __atomic_store_n(ring.cq_head, head, __ATOMIC_RELEASE);
-      if (ring.pending) {
-        // Resubmissions go out now so the disk stays busy during post().
-        int k = sys_uring_enter(ring.fd, ring.pending, 0, 0);
-        if (k > 0) ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(k));
-      }
+      submit_pending(ring);  // resubmissions go out now so the disk stays busy during post()
       // 4. Checksums and copies, then completion. A staged block's slot is
       //    refilled as soon as it is free, so the disk is not left idle while
       //    the copies of a whole batch of completions run.
@@ -568,19 +571,7 @@ struct inf_io_engine {
           finish(b, finished[i].second, std::move(msgs[i]));
           if (staged && io_inflight < w->limit) next = claim();
         }
-        if (next) {
-          if (next->fault_err) {  // reported with the next batch
-            finished.emplace_back(next, -next->fault_err);
-            msgs.push_back(fmt_error(*next, next->fault_err) + " [injected fault]");
-            continue;
-          }
-          pre(next);
-          prep_sqe(ring, next);
-          io_inflight++;
-          int k = sys_uring_enter(ring.fd, ring.pending, 0, 0);
-          if (k > 0) ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(k));
-          write_crcs(next);
-        }
+        if (next && launch(ring, next, true, finished, msgs, io_inflight)) write_crcs(next);
       }
       finished.clear();
       msgs.clear();
