@@ -4,7 +4,7 @@ torch beside the same model trained through infinity, on the same data."""
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -44,6 +44,18 @@ def assert_params_close(actual: dict, expected: dict, rtol: float = 1e-5, global
         scale = model_scale if global_scale else e.abs().max().item()
         diff = (a.float() - e.float()).abs().max().item()
         assert diff <= rtol * scale + 1e-7, f"{k}: max abs diff {diff:.3e} > {rtol} x scale {scale:.3e}"
+
+
+def train_steps(model: torch.nn.Module, opt, n: int, seed: int = 0) -> List[float]:
+    """``n`` plain steps (forward, backward, step, zero_grad) on ``batches(n, seed)``; the losses."""
+    losses = []
+    for x, y in batches(n, seed):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def train_pair(make_model: Callable[[], torch.nn.Module], config: infinity.Config, steps: int = 20, *,

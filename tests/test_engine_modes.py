@@ -7,7 +7,7 @@ import torch
 
 import infinity
 from infinity.engine.tiers import BudgetError
-from engine_utils import assert_params_close, batches, small_gpt, unit_bytes
+from engine_utils import assert_params_close, batches, small_gpt, train_steps, unit_bytes
 
 UB = unit_bytes(small_gpt())
 
@@ -53,11 +53,8 @@ def test_delayed_differs_from_immediate():
     a, b = small_gpt(), small_gpt()
     ma, oa = infinity.initialize(a, cfg(overlap="delayed"))
     mb, ob = infinity.initialize(b, cfg(overlap="step"))
-    for x, y in batches(3):
-        for m, o in ((ma, oa), (mb, ob)):
-            m(x, y).backward()
-            o.step()
-            o.zero_grad()
+    train_steps(ma, oa, 3)
+    train_steps(mb, ob, 3)
     la = ma(*batches(1, seed=5)[0]).item()
     lb = mb(*batches(1, seed=5)[0]).item()
     assert la != lb
@@ -74,10 +71,7 @@ def test_budgets_held_and_analytic_bound(depth):
     # Now at the smallest budget the engine accepts.
     model2 = small_gpt()
     m2, opt2 = infinity.initialize(model2, cfg(prefetch_depth=depth, device_memory=minimum))
-    for x, y in batches(6):
-        m2(x, y).backward()
-        opt2.step()
-        opt2.zero_grad()
+    train_steps(m2, opt2, 6)
     s = infinity.stats(m2)
     assert s["peak_bytes"]["device"] <= minimum == s["budget_bytes"]["device"]
     assert s["peak_bytes"]["device"] >= need["arena_min"] - 2 * UB  # the budget was used, not idle
@@ -90,10 +84,7 @@ def test_bytes_moved_fall_as_budget_grows():
     for units in (4, 7, 12):
         model = small_gpt()
         m, opt = infinity.initialize(model, cfg(device_memory=units * UB, prefetch_depth=1))
-        for x, y in batches(4):
-            m(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_steps(m, opt, 4)
         s = infinity.stats(m)
         assert s["peak_bytes"]["device"] <= units * UB
         moved.append(s["step_bytes_moved"]["h2d"])
@@ -171,13 +162,8 @@ def test_optimizer_state_dict_matches_torch_format():
     ref = small_gpt()
     m, opt = infinity.initialize(copy.deepcopy(ref), cfg())
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
-    for x, y in batches(1):  # one step: same gradients, so moments agree to rounding
-        m(x, y).backward()
-        ref(x, y).backward()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    train_steps(m, opt, 1)  # one step: same gradients, so moments agree to rounding
+    train_steps(ref, ref_opt, 1)
     sd, rsd = opt.state_dict(), ref_opt.state_dict()
     assert set(sd["state"]) == set(rsd["state"])
     assert [g["params"] for g in sd["param_groups"]] == [g["params"] for g in rsd["param_groups"]]

@@ -8,7 +8,7 @@ import torch
 
 import infinity
 from infinity.engine.tiers import BudgetError
-from engine_utils import batches, small_gpt, train_pair, unit_bytes
+from engine_utils import batches, small_gpt, train_pair, train_steps, unit_bytes
 
 UB = unit_bytes(small_gpt())
 
@@ -118,10 +118,7 @@ def test_nvme_traffic_falls_as_host_budget_grows(tmp_path):
         c = cfg(tmp_path / str(i), host_memory=units * UB, prefetch_depth=1)
         model = small_gpt()
         m, opt = infinity.initialize(model, c)
-        for x, y in batches(3):
-            m(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_steps(m, opt, 3)
         s = infinity.stats(m)
         assert s["peak_bytes"]["host"] <= units * UB
         reads.append(s["step_bytes_moved"]["nvme_read"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import infinity
-from engine_utils import VOCAB, assert_params_close, batches, small_gpt, train_pair, unit_bytes
+from engine_utils import VOCAB, assert_params_close, batches, small_gpt, train_pair, train_steps, unit_bytes
 
 UB = unit_bytes(small_gpt())
 
@@ -159,11 +159,6 @@ def test_param_groups_without_weight_decay():
                                 lr=1e-3, weight_decay=0.1, foreach=False)
     model, opt = infinity.initialize(model, cfg(), lr=1e-3, weight_decay=0.1,
                                      param_groups=[{"params": no_decay(model), "weight_decay": 0.0}])
-    for x, y in batches(8):
-        model(x, y).backward()
-        ref(x, y).backward()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    train_steps(model, opt, 8)
+    train_steps(ref, ref_opt, 8)
     assert_params_close(infinity.full_state_dict(model), ref.state_dict())

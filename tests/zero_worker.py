@@ -12,14 +12,19 @@ import infinity  # noqa: E402
 from engine_utils import batches, small_gpt, unit_bytes  # noqa: E402
 
 
+def _init(rank: int, world: int, port: int, **kw) -> None:
+    """Joins the gloo group of ``world`` processes on localhost:``port``."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, **kw)
+
+
 def run(rank: int, world: int, port: int, cases: list, out_dir: str, group_size: int = 0) -> None:
     """Trains each case; with ``group_size``, the world splits into groups of
     that many consecutive ranks, each data-parallel on its own (initialize's
     process_group), and each group's first rank writes case{i}_g{group}.pt."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init(rank, world, port)
     group, gid, suffix = None, 0, ""
     if group_size:
         for g in range(world // group_size):  # every rank creates every group
@@ -69,9 +74,7 @@ def run(rank: int, world: int, port: int, cases: list, out_dir: str, group_size:
 
 def mismatch(rank: int, world: int, port: int, out_dir: str) -> None:
     """Rank 1 builds a different model: initialize must fail on every rank."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init(rank, world, port)
     try:
         cfg = infinity.Config(device="cpu", dtype="fp32", host_memory="256MiB", zero_stage=1,
                               prefetch_depth=1 + rank)
@@ -90,9 +93,7 @@ def crash(rank: int, world: int, port: int, out_dir: str) -> None:
     """Rank 1 raises in the middle of a step; rank 0 must fail too, soon."""
     import datetime
     import time
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    _init(rank, world, port, timeout=datetime.timedelta(seconds=60))
     cfg = infinity.Config(device="cpu", dtype="fp32", host_memory="256MiB", zero_stage=2, overlap="backward")
     model, opt = infinity.initialize(small_gpt(), cfg)
     x, y = batches(1, b=world)[0]
