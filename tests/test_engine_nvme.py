@@ -114,7 +114,10 @@ def test_nvme_clipping_and_accumulation(tmp_path):
 
 def test_nvme_traffic_falls_as_host_budget_grows(tmp_path):
     reads, writes = [], []
-    for i, units in enumerate((16, 19, 40)):
+    # 15 units is just above this placement's minimum (14.5): the cache can
+    # never keep every compute copy. At 16 it sometimes can, when the optimizer
+    # pipeline happens to free its buffers early (about one run in ten).
+    for i, units in enumerate((15, 19, 40)):
         c = cfg(tmp_path / str(i), host_memory=units * UB, prefetch_depth=1)
         model = small_gpt()
         m, opt = infinity.initialize(model, c)
