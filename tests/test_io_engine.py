@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infinity.io import HostPool, SwapIOError, native_available
-from infinity.io.engine import READ, WRITE, NativeEngine, crc_count
+from infinity.io.engine import READ, WRITE, NativeEngine, chunk_bytes, crc32c, crc_count
 from infinity.io.fallback import PythonEngine
 
 native = pytest.mark.skipif(not native_available(), reason="native engine not built")
@@ -53,56 +53,72 @@ def test_crc_count_rule():
     assert crc_count(4097, B) == 2                # body + tail
     assert crc_count(B, B) == 1
     assert crc_count(B + 4096 + 1, B) == 3        # two body chunks + tail
+    # Chunks are the largest power of two dividing both the block and 1 MiB,
+    # the most a staged block holds: 8 MiB blocks carry eight chunks each.
+    M = 1 << 20
+    assert [chunk_bytes(b) for b in (4096, 12288, B, M, 8 * M, 3 * M + 4096, 3 * M)] == \
+        [4096, 4096, B, M, M, 4096, M]
+    assert crc_count(8 * M, 8 * M) == 8 and crc_count(8 * M + 1, 8 * M) == 9
     if native_available():
         from infinity.io.engine import _lib
-        for n in (0, 1, 4095, 4096, 4097, B - 1, B, B + 1, 5 * B + 4097):
-            assert _lib().inf_io_crc_count(n, B) == crc_count(n, B)
+        for blk in (B, 8 * M, 3 * M + 4096):
+            for n in (0, 1, 4095, 4096, 4097, B - 1, B, B + 1, 5 * B + 4097, 17 * M + 5):
+                assert _lib().inf_io_crc_count(n, blk) == crc_count(n, blk), (n, blk)
 
 
 def engines():
-    out = [("python", lambda: PythonEngine(4, 65536))]
+    out = [("python", lambda blk: PythonEngine(4, blk))]
     if native_available():
-        out.append(("threads", lambda: NativeEngine("threads", 4, 65536)))
+        out.append(("threads", lambda blk: NativeEngine("threads", 4, blk)))
         try:
             NativeEngine("io_uring", 1, 4096).close()
-            out.append(("io_uring", lambda: NativeEngine("io_uring", 4, 65536)))
+            out.append(("io_uring", lambda blk: NativeEngine("io_uring", 4, blk)))
         except OSError:
             pass
     return out
 
 
+@pytest.mark.parametrize("block", [65536, 2 << 20])
 @pytest.mark.parametrize("name,make", engines(), ids=[e[0] for e in engines()])
-def test_direct_and_bounce_give_same_bytes_and_checksums(tmp_path, name, make):
-    eng = make()
+def test_direct_and_bounce_give_same_bytes_and_checksums(tmp_path, name, make, block):
+    """With 2 MiB blocks the native engine stages 1 MiB blocks and checksums
+    1 MiB chunks: the list must still match a direct write's, and the Python
+    engine's (same CRC32C)."""
+    eng = make(block)
+    M = 1 << 20
     path = str(tmp_path / "f.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    os.posix_fallocate(fd, 0, 4 * 1024 * 1024)
-    pool = HostPool(4 * 1024 * 1024)
+    os.posix_fallocate(fd, 0, 16 * M)
+    pool = HostPool(16 * M)
     try:
         fid = eng.register(fd, path)
-        n = 3 * 65536 + 5000
+        n = 3 * block + 5000
         src = torch.randint(0, 256, (n,), dtype=torch.uint8)
         a = pool.acquire(n)
-        bounce = pool.acquire(2 * 65536)
+        bounce = pool.acquire(2 * block)
         a.tensor.copy_(src)
         # Direct write of the aligned body + bounce write of the tail == one bounce write.
         body = n // 4096 * 4096
-        c1 = (ctypes.c_uint32 * crc_count(body, 65536))()
+        c1 = (ctypes.c_uint32 * crc_count(body, block))()
         c2 = (ctypes.c_uint32 * 1)()
         eng.wait(eng.submit(WRITE, fid, 0, a.ptr, body, 0, 0, c1))
         eng.wait(eng.submit(WRITE, fid, body, a.ptr + body, n - body, bounce.ptr, bounce.capacity, c2))
         plain = src.clone()
-        c3 = (ctypes.c_uint32 * crc_count(n, 65536))()
-        eng.wait(eng.submit(WRITE, fid, 1 << 20, plain.data_ptr(), n, bounce.ptr, bounce.capacity, c3))
+        c3 = (ctypes.c_uint32 * crc_count(n, block))()
+        eng.wait(eng.submit(WRITE, fid, 8 * M, plain.data_ptr(), n, bounce.ptr, bounce.capacity, c3))
         assert list(c1) + list(c2) == list(c3)
+        cb = chunk_bytes(block)
+        want = [crc32c(a.ptr + i, min(cb, body - i)) for i in range(0, body, cb)] + [crc32c(a.ptr + body, n - body)]
+        if name != "python" or eng.checksum_name == "crc32c":
+            assert list(c3) == want
         with open(path, "rb") as f:
             f.seek(0)
             one = f.read(n + 100)
-            f.seek(1 << 20)
+            f.seek(8 * M)
             two = f.read(n + 100)
         assert one == two and one[:n] == bytes(src.numpy()) and one[n:n + 100] == bytes(100)  # zero padding
         out = torch.zeros(n, dtype=torch.uint8)
-        eng.wait(eng.submit(READ, fid, 1 << 20, out.data_ptr(), n, bounce.ptr, bounce.capacity, c3, True))
+        eng.wait(eng.submit(READ, fid, 8 * M, out.data_ptr(), n, bounce.ptr, bounce.capacity, c3, True))
         assert torch.equal(out, src)
         # A direct request with an unaligned buffer is refused up front.
         with pytest.raises(SwapIOError) as ei:

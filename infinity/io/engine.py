@@ -94,13 +94,28 @@ def crc32c(data_ptr: int, nbytes: int, crc: int = 0) -> int:
     return int(_lib().inf_crc32c(crc, data_ptr, nbytes))
 
 
+STAGE_BLOCK = 1 << 20  # bytes: the native engine's largest staged block (kStageBlock)
+
+
+def chunk_bytes(block_size: int) -> int:
+    """Bytes per checksum chunk of an engine with this block size: the largest
+    power of two dividing both it and 1 MiB (``chunk_bytes_for`` in
+    native/src/io_engine.cpp), so a chunk never straddles a block."""
+    c = STAGE_BLOCK
+    while block_size % c:
+        c //= 2
+    return c
+
+
 def crc_count(nbytes: int, block_size: int) -> int:
-    """Checksum chunks of a request of ``nbytes`` bytes: one per ``block_size``
-    bytes of the 4 KiB-aligned body, plus one for an unaligned tail."""
+    """Checksum chunks of a request of ``nbytes`` bytes: one per
+    ``chunk_bytes(block_size)`` bytes of the 4 KiB-aligned body, plus one for
+    an unaligned tail."""
     if nbytes <= 0:
         return 0
+    chunk = chunk_bytes(block_size)
     aligned = nbytes // ALIGN * ALIGN
-    return -(-aligned // block_size) + (1 if nbytes > aligned else 0)
+    return -(-aligned // chunk) + (1 if nbytes > aligned else 0)
 
 
 def raise_for(code: int, msg: str, context: str = "") -> None:

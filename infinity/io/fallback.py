@@ -18,7 +18,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
-from .engine import ALIGN, E_CHECKSUM, E_EOF, READ, WRITE, native_available, raise_for
+from .engine import ALIGN, E_CHECKSUM, E_EOF, READ, WRITE, chunk_bytes, native_available, raise_for
 from .errors import parse_fault_spec
 
 __all__ = ["PythonEngine"]
@@ -232,11 +232,11 @@ class PythonEngine:
     def _post(self, r: _Request, i: int, rel: int, mem: int, length: int):
         if r.crcs is None:
             return 0, ""
-        chunks = []
-        if rel < r.aligned:
-            chunks.append((i, rel, min(rel + length, r.aligned)))
+        cb = chunk_bytes(self.block_size)  # divides the block size: no chunk straddles blocks
+        chunks = [(start // cb, start, min(start + cb, rel + length, r.aligned))
+                  for start in range(rel, min(rel + length, r.aligned), cb)]
         if r.nbytes > r.aligned and rel <= r.aligned < rel + length:
-            chunks.append((-(-r.aligned // self.block_size), r.aligned, r.nbytes))
+            chunks.append((-(-r.aligned // cb), r.aligned, r.nbytes))
         for idx, start, end in chunks:
             c = self._crc(mem + (start - rel), end - start)
             if r.verify:
