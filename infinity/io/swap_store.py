@@ -306,9 +306,12 @@ class SwapStore:
             on demand (``grow_bytes`` at a time) and the disk is the limit.
         block_size: bytes per I/O block (a multiple of 4096). Larger blocks mean
             fewer syscalls; 1-8 MiB reach the disk's bandwidth (docs/io.md).
-        queue_depth: blocks in flight over all transfers of this store.
-        checksum: keep a CRC32C per block (and per unaligned tail) of each
-            write, and verify it on every read (:class:`ChecksumError`).
+        queue_depth: blocks in flight over all transfers of this store
+            (staged transfers, of tensors not 4 KiB-aligned, use blocks of at
+            most 1 MiB).
+        checksum: keep a CRC32C per checksum chunk (1 MiB for 1-16 MiB
+            blocks; docs/io.md) and per unaligned tail of each write, and
+            verify it on every read (:class:`ChecksumError`).
         backend: ``"auto"`` (native io_uring, else native threads, else the
             pure-Python engine with one warning), ``"io_uring"``,
             ``"threads"`` or ``"python"``.
@@ -325,7 +328,7 @@ class SwapStore:
     """
 
     def __init__(self, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], *,
-                 capacity_bytes: Optional[int] = None, block_size: int = 8 * MiB, queue_depth: int = 8,
+                 capacity_bytes: Optional[int] = None, block_size: int = 8 * MiB, queue_depth: int = 16,
                  checksum: bool = True, backend: str = "auto", direct: bool = True,
                  stripe_bytes: Optional[int] = None, staging_bytes: int = 128 * MiB,
                  host_pool: Optional[HostPool] = None, grow_bytes: int = 256 * MiB):
