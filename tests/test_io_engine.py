@@ -78,17 +78,17 @@ def engines():
     return out
 
 
-@pytest.mark.parametrize("block", [65536, 2 << 20])
+@pytest.mark.parametrize("block", [65536, 2 << 20, (3 << 20) + 4096])
 @pytest.mark.parametrize("name,make", engines(), ids=[e[0] for e in engines()])
 def test_direct_and_bounce_give_same_bytes_and_checksums(tmp_path, name, make, block):
     """With 2 MiB blocks the native engine stages 1 MiB blocks and checksums
-    1 MiB chunks: the list must still match a direct write's, and the Python
-    engine's (same CRC32C)."""
+    1 MiB chunks (with 3 MiB + 4 KiB blocks, 4 KiB chunks): the list must
+    still match a direct write's, and the Python engine's (same CRC32C)."""
     eng = make(block)
     M = 1 << 20
     path = str(tmp_path / "f.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    os.posix_fallocate(fd, 0, 16 * M)
+    os.posix_fallocate(fd, 0, 32 * M)
     pool = HostPool(16 * M)
     try:
         fid = eng.register(fd, path)
@@ -105,7 +105,7 @@ def test_direct_and_bounce_give_same_bytes_and_checksums(tmp_path, name, make, b
         eng.wait(eng.submit(WRITE, fid, body, a.ptr + body, n - body, bounce.ptr, bounce.capacity, c2))
         plain = src.clone()
         c3 = (ctypes.c_uint32 * crc_count(n, block))()
-        eng.wait(eng.submit(WRITE, fid, 8 * M, plain.data_ptr(), n, bounce.ptr, bounce.capacity, c3))
+        eng.wait(eng.submit(WRITE, fid, 16 * M, plain.data_ptr(), n, bounce.ptr, bounce.capacity, c3))
         assert list(c1) + list(c2) == list(c3)
         if eng.checksum_name == "crc32c":  # (the Python engine without the native library: zlib's CRC-32)
             cb = chunk_bytes(block)
@@ -114,11 +114,11 @@ def test_direct_and_bounce_give_same_bytes_and_checksums(tmp_path, name, make, b
         with open(path, "rb") as f:
             f.seek(0)
             one = f.read(n + 100)
-            f.seek(8 * M)
+            f.seek(16 * M)
             two = f.read(n + 100)
         assert one == two and one[:n] == bytes(src.numpy()) and one[n:n + 100] == bytes(100)  # zero padding
         out = torch.zeros(n, dtype=torch.uint8)
-        eng.wait(eng.submit(READ, fid, 8 * M, out.data_ptr(), n, bounce.ptr, bounce.capacity, c3, True))
+        eng.wait(eng.submit(READ, fid, 16 * M, out.data_ptr(), n, bounce.ptr, bounce.capacity, c3, True))
         assert torch.equal(out, src)
         # A direct request with an unaligned buffer is refused up front.
         with pytest.raises(SwapIOError) as ei:

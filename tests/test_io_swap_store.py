@@ -256,6 +256,29 @@ def test_checksum_corruption_detected(tmp_path, backend, where):
             s.read("k", unaligned(y)).wait()
 
 
+def test_checksum_chunks_inside_large_blocks(tmp_path, backend):
+    """4 MiB blocks hold four 1 MiB checksum chunks: a flipped byte in the
+    third is named by that chunk's offset, read into a pool buffer (direct) or
+    a plain tensor (staged in 1 MiB blocks), written either way."""
+    with make_store(tmp_path, backend, block_size=4 * MiB, staging_bytes=8 * MiB, capacity_bytes=32 * MiB) as s:
+        x = rand_bytes(6 * MiB + 123)
+        pool = HostPool(8 * MiB)
+        try:
+            buf = pool.acquire(x.numel())
+            buf.tensor[:x.numel()].copy_(x)
+            for key, src in (("direct", buf.tensor[:x.numel()]), ("staged", unaligned(x))):
+                s.write(key, src).wait()
+                piece = s._index[key].pieces[0]
+                _corrupt(s.stats()["paths"][0]["file"], piece.offset + 2 * MiB + 77)
+                for dst in (buf.tensor[:x.numel()], unaligned(torch.empty_like(x))):
+                    with pytest.raises(ChecksumError) as ei:
+                        s.read(key, dst).wait()
+                    assert f"at offset {piece.offset + 2 * MiB} (1048576 bytes)" in str(ei.value), str(ei.value)
+                buf.tensor[:x.numel()].copy_(x)
+        finally:
+            pool.close()
+
+
 def test_checksum_off_reads_without_verifying(tmp_path, backend):
     with make_store(tmp_path, backend, checksum=False) as s:
         x = rand_bytes(10_000)
