@@ -527,6 +527,31 @@ struct inf_io_engine {
     return true;
   }
 
+  // Claims blocks up to this ring's share of the queue depth and sends them
+  // to the disk; direct writes then take their checksums, overlapping the
+  // transfer. True when the engine is stopping and has nothing left.
+  bool dispatch(UringWorker* w, std::vector<Block*>& fresh, std::vector<std::pair<Block*, int>>& finished,
+                std::vector<std::string>& msgs, int& io_inflight) {
+    fresh.clear();
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      while (io_inflight + static_cast<int>(fresh.size()) < w->limit) {
+        Block* b = claim();
+        if (!b) break;
+        fresh.push_back(b);
+      }
+      if (stopping && active.empty() && inflight == 0) return true;
+    }
+    // A staged write goes out as soon as it is copied, so the disk works
+    // while the next block is staged (else it idles for the whole batch).
+    for (Block* b : fresh) launch(w->ring, b, b->slot >= 0 && b->r->op == INF_IO_WRITE, finished, msgs, io_inflight);
+    submit_pending(w->ring);
+    for (Block* b : fresh) {
+      if (!b->fault_err) write_crcs(b);
+    }
+    return false;
+  }
+
   void uring_main(UringWorker* w) {
     Ring& ring = w->ring;
     const int evfd = w->evfd;
@@ -534,27 +559,10 @@ struct inf_io_engine {
     int io_inflight = 0;
     std::vector<std::pair<Block*, int>> finished;  // block, error
     std::vector<std::string> msgs;
+    std::vector<Block*> fresh;
     for (;;) {
       // 1. Dispatch new blocks up to the queue depth.
-      std::vector<Block*> fresh;
-      bool stop = false;
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        while (io_inflight + static_cast<int>(fresh.size()) < w->limit) {
-          Block* b = claim();
-          if (!b) break;
-          fresh.push_back(b);
-        }
-        stop = stopping && active.empty() && inflight == 0;
-      }
-      if (stop) return;
-      // A staged write goes out as soon as it is copied, so the disk works
-      // while the next block is staged (else it idles for the whole batch).
-      for (Block* b : fresh) launch(ring, b, b->slot >= 0 && b->r->op == INF_IO_WRITE, finished, msgs, io_inflight);
-      submit_pending(ring);
-      for (Block* b : fresh) {
-        if (!b->fault_err) write_crcs(b);
-      }
+      if (dispatch(w, fresh, finished, msgs, io_inflight)) return;
       if (need_poll && arm_poll(w)) need_poll = false;
       // 2. Submit, and block for at least one completion unless some blocks
       //    are already finished (injected faults) and must be reported.
@@ -615,6 +623,10 @@ struct inf_io_engine {
       }
       __atomic_store_n(ring.cq_head, head, __ATOMIC_RELEASE);
       submit_pending(ring);  // resubmissions go out now so the disk stays busy during post()
+      // Direct blocks need no slot: their successors go out before the
+      // completed blocks' checksums are taken (reads were 0.91-0.95 of raw
+      // when the ring refilled only after the whole batch's checksums).
+      dispatch(w, fresh, finished, msgs, io_inflight);
       // 4. Checksums and copies, then completion. A staged block's slot is
       //    refilled as soon as it is free, so the disk is not left idle while
       //    the copies of a whole batch of completions run.
