@@ -53,12 +53,12 @@ def test_crc_count_rule():
     assert crc_count(4097, B) == 2                # body + tail
     assert crc_count(B, B) == 1
     assert crc_count(B + 4096 + 1, B) == 3        # two body chunks + tail
-    # Chunks are the largest power of two dividing both the block and 1 MiB,
-    # the most a staged block holds: 8 MiB blocks carry eight chunks each.
+    # Chunks are the largest power of two dividing both the block and 256 KiB,
+    # the most a staged block holds: 8 MiB blocks carry 32 chunks each.
     M = 1 << 20
     assert [chunk_bytes(b) for b in (4096, 12288, B, M, 8 * M, 3 * M + 4096, 3 * M)] == \
-        [4096, 4096, B, M, M, 4096, M]
-    assert crc_count(8 * M, 8 * M) == 8 and crc_count(8 * M + 1, 8 * M) == 9
+        [4096, 4096, B, M // 4, M // 4, 4096, M // 4]
+    assert crc_count(8 * M, 8 * M) == 32 and crc_count(8 * M + 1, 8 * M) == 33
     if native_available():
         from infinity.io.engine import _lib
         for blk in (B, 8 * M, 3 * M + 4096):
@@ -81,8 +81,8 @@ def engines():
 @pytest.mark.parametrize("block", [65536, 2 << 20, (3 << 20) + 4096])
 @pytest.mark.parametrize("name,make", engines(), ids=[e[0] for e in engines()])
 def test_direct_and_bounce_give_same_bytes_and_checksums(tmp_path, name, make, block):
-    """With 2 MiB blocks the native engine stages 1 MiB blocks and checksums
-    1 MiB chunks (with 3 MiB + 4 KiB blocks, 4 KiB chunks): the list must
+    """With 2 MiB blocks the native engine stages 256 KiB blocks and checksums
+    256 KiB chunks (with 3 MiB + 4 KiB blocks, 4 KiB chunks): the list must
     still match a direct write's, and the Python engine's (same CRC32C)."""
     eng = make(block)
     M = 1 << 20

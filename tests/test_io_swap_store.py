@@ -257,9 +257,9 @@ def test_checksum_corruption_detected(tmp_path, backend, where):
 
 
 def test_checksum_chunks_inside_large_blocks(tmp_path, backend):
-    """4 MiB blocks hold four 1 MiB checksum chunks: a flipped byte in the
-    third is named by that chunk's offset, read into a pool buffer (direct) or
-    a plain tensor (staged in 1 MiB blocks), written either way."""
+    """4 MiB blocks hold sixteen 256 KiB checksum chunks: a flipped byte in
+    the ninth is named by that chunk's offset, read into a pool buffer (direct)
+    or a plain tensor (staged in 256 KiB blocks), written either way."""
     with make_store(tmp_path, backend, block_size=4 * MiB, staging_bytes=8 * MiB, capacity_bytes=32 * MiB) as s:
         x = rand_bytes(6 * MiB + 123)
         pool = HostPool(8 * MiB)
@@ -273,7 +273,7 @@ def test_checksum_chunks_inside_large_blocks(tmp_path, backend):
                 for dst in (buf.tensor[:x.numel()], unaligned(torch.empty_like(x))):
                     with pytest.raises(ChecksumError) as ei:
                         s.read(key, dst).wait()
-                    assert f"at offset {piece.offset + 2 * MiB} (1048576 bytes)" in str(ei.value), str(ei.value)
+                    assert f"at offset {piece.offset + 2 * MiB} (262144 bytes)" in str(ei.value), str(ei.value)
                 buf.tensor[:x.numel()].copy_(x)
         finally:
             pool.close()

@@ -94,12 +94,12 @@ def crc32c(data_ptr: int, nbytes: int, crc: int = 0) -> int:
     return int(_lib().inf_crc32c(crc, data_ptr, nbytes))
 
 
-STAGE_BLOCK = 1 << 20  # bytes: the native engine's largest staged block (kStageBlock)
+STAGE_BLOCK = 256 << 10  # bytes: the native engine's largest staged block (kStageBlock)
 
 
 def chunk_bytes(block_size: int) -> int:
     """Bytes per checksum chunk of an engine with this block size: the largest
-    power of two dividing both it and 1 MiB (``chunk_bytes_for`` in
+    power of two dividing both it and 256 KiB (``chunk_bytes_for`` in
     native/src/io_engine.cpp), so a chunk never straddles a block."""
     c = STAGE_BLOCK
     while block_size % c:

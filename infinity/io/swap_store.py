@@ -308,8 +308,8 @@ class SwapStore:
             fewer syscalls; 1-8 MiB reach the disk's bandwidth (docs/io.md).
         queue_depth: blocks in flight over all transfers of this store
             (staged transfers, of tensors not 4 KiB-aligned, use blocks of at
-            most 1 MiB).
-        checksum: keep a CRC32C per checksum chunk (1 MiB for 1-16 MiB
+            most 256 KiB).
+        checksum: keep a CRC32C per checksum chunk (256 KiB for 1-16 MiB
             blocks; docs/io.md) and per unaligned tail of each write, and
             verify it on every read (:class:`ChecksumError`).
         backend: ``"auto"`` (native io_uring, else native threads, else the

@@ -17,13 +17,13 @@
  * round_up(n, 4096) bytes to or from the file. In direct mode (bounce == NULL)
  * `buf` must be 4 KiB-aligned and hold round_up(n, 4096) bytes. In bounce
  * mode `buf` may have any alignment and holds exactly n bytes: it moves in
- * blocks of min(block_size, 1 MiB), each staged through a slot of the (4 KiB-
+ * blocks of min(block_size, 256 KiB), each staged through a slot of the (4 KiB-
  * aligned) bounce area, so only n bytes of `buf` are read or written; padding
  * written to the file is zeros.
  *
  * Checksums. With `crcs` non-NULL, one CRC32C is kept per checksum chunk of
  * the request: chunk i covers bytes [i*C, min((i+1)*C, A)) with C the largest
- * power of two dividing both the block size and 1 MiB (1 MiB for the usual
+ * power of two dividing both the block size and 256 KiB (256 KiB for the usual
  * 1-16 MiB blocks) and A = n rounded DOWN to 4 KiB, then one more chunk
  * covers the unaligned tail [A, n) when n > A. inf_io_crc_count() gives the
  * count. The rule depends only on n and the block size, so a request split
@@ -86,7 +86,7 @@ INF_API int32_t inf_io_unregister(inf_io_engine* eng, int32_t file_id);
 /* Submits one request and returns its ticket (> 0) in *ticket. All pointers
  * (buf, bounce, crcs) must stay valid until inf_io_wait returns for it.
  * bounce/bounce_bytes: staging area for bounce mode (NULL/0 for direct mode);
- * bounce_bytes is a multiple of 4096, at least one slot of min(block, 1 MiB, padded n).
+ * bounce_bytes is a multiple of 4096, at least one slot of min(block, 256 KiB, padded n).
  * verify: reads only; compare the CRCs against crcs[]. */
 INF_API int32_t inf_io_submit(inf_io_engine* eng, int32_t op, int32_t file_id, int64_t offset,
                               void* buf, int64_t nbytes, void* bounce, int64_t bounce_bytes,

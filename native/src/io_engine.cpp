@@ -41,7 +41,7 @@ inline int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; 
 
 // Staged (bounce) transfers move blocks of at most this many bytes, whatever
 // the engine's block size; see [Note: staged copies go through the cache piece by piece].
-constexpr int64_t kStageBlock = 1 << 20;
+constexpr int64_t kStageBlock = 256 << 10;
 
 // Checksum chunk of an engine with this block size: the largest power of two
 // dividing both it and kStageBlock, so that a chunk never straddles a block,
@@ -222,7 +222,7 @@ struct inf_io_engine {
   int backend = INF_IO_BACKEND_THREADS;
   int qd = 8;
   int64_t block = 8 << 20;
-  int64_t chunk_bytes = 1 << 20;  // checksum chunk: chunk_bytes_for(block)
+  int64_t chunk_bytes = kStageBlock;  // checksum chunk: chunk_bytes_for(block)
 
   std::mutex mu;
   std::condition_variable cv_work;  // thread backend: a block may be claimable
@@ -308,8 +308,10 @@ struct inf_io_engine {
   // slot; a staged read sums a piece of the slot and copies it out while it
   // is hot. (Plain stores, not streaming ones, into the slot: the virtio disk
   // took 5-10% less from a slot written past the cache.) Staged transfers
-  // also use blocks of at most kStageBlock bytes (req_block()), so the slots
-  // in flight stay in L3, where the disk's DMA finds them.
+  // also use blocks of at most kStageBlock bytes, so the slots in flight stay
+  // in cache, where the disk's DMA finds them: plain-tensor writes went from
+  // 0.86-0.93 of direct writes with 1 MiB staged blocks to 0.90-1.10 with
+  // 256 KiB (128 KiB and less lose to per-request costs).
   static constexpr int64_t kPiece = 256 << 10;
 
   // Walks a block's user bytes [b->rel, b->rel + n) piece by piece. With
