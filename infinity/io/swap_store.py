@@ -24,6 +24,7 @@ half-written extent, and extents are never reused under a transfer.
 
 from __future__ import annotations
 
+import array
 import collections
 import ctypes
 import errno as _errno
@@ -65,7 +66,7 @@ class _Piece:
     offset: int
     rel: int
     nbytes: int
-    crcs: Optional[List[int]] = None  # per checksum chunk; set when the write completes
+    crcs: Optional[array.array] = None  # uint32 per checksum chunk; set when the write completes
 
 
 @dataclass
@@ -450,8 +451,12 @@ class SwapStore:
                 if error is None:
                     for piece, (body, tail) in zip(entry.pieces, arrays):
                         if self.checksum:
-                            piece.crcs = (list(body) if body is not None else []) + \
-                                         (list(tail) if tail is not None else [])
+                            # Raw uint32s, copied as bytes: a 1 GiB key has 4096 chunks.
+                            crcs = array.array("I")
+                            for arr in (body, tail):
+                                if arr is not None:
+                                    crcs.frombytes(memoryview(arr).cast("B"))
+                            piece.crcs = crcs
                     entry.stored = True
                 elif self._index.get(key) is entry:
                     del self._index[key]
@@ -677,7 +682,8 @@ class SwapStore:
                 if body:
                     if self.checksum:
                         cnt = crc_count(body, B)
-                        body_arr = (ctypes.c_uint32 * cnt)(*(piece.crcs[:cnt] if verify else ()))
+                        body_arr = ((ctypes.c_uint32 * cnt).from_buffer_copy(piece.crcs) if verify
+                                    else (ctypes.c_uint32 * cnt)())
                     handle._tickets.append(eng.submit(op, fid, piece.offset, ptr, body, 0, 0, body_arr, verify))
                 rest = n - body
                 if rest:
@@ -687,7 +693,8 @@ class SwapStore:
                     handle._staging.append(buf)
                     if self.checksum:
                         cnt = crc_count(rest, B)
-                        tail_arr = (ctypes.c_uint32 * cnt)(*(piece.crcs[-cnt:] if verify else ()))
+                        tail_arr = ((ctypes.c_uint32 * cnt).from_buffer_copy(piece.crcs, 4 * (len(piece.crcs) - cnt))
+                                    if verify else (ctypes.c_uint32 * cnt)())
                     handle._tickets.append(eng.submit(op, fid, piece.offset + body, ptr + body, rest, buf.ptr,
                                                       buf.capacity, tail_arr, verify))
                 handle._keep.append((body_arr, tail_arr))
