@@ -189,7 +189,7 @@ class PythonEngine:
                     ctypes.memset(mem + logical, 0, length - logical)
             err, msg = self._transfer(r, rel, mem, length, fault is not None and fault == 0)
             if err == 0:
-                err, msg = self._post(r, i, rel, mem, length)
+                err, msg = self._post(r, rel, mem, length)
             if err == 0 and r.op == READ and r.bounce:
                 ctypes.memmove(r.buf + rel, mem, logical)
         except Exception as exc:  # never leave a waiter hanging
@@ -229,7 +229,7 @@ class PythonEngine:
             done += k
         return 0, ""
 
-    def _post(self, r: _Request, i: int, rel: int, mem: int, length: int):
+    def _post(self, r: _Request, rel: int, mem: int, length: int):
         if r.crcs is None:
             return 0, ""
         cb = chunk_bytes(self.block_size)  # divides the block size: no chunk straddles blocks
