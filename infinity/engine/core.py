@@ -8,6 +8,7 @@ the tiers' (tiers.py); legal states are state.py's.
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 import warnings
@@ -340,19 +341,23 @@ class Engine:
         master_full = u.master
         if (self.zero or self.opt_nvme) and tn:
             master_full = torch.zeros(tn, dtype=torch.float32)  # the own shard (or NVMe copy) is kept below
+        comp = buf = None
+        if self.params_nvme:
+            comp, buf = self._host_acquire(self.home_compute_numel(u), self.dtype, zero=True, compute=True)
+        home = u.host_compute if u.host_compute is not None else comp  # this rank's compute copy
+        # Stage 3 keeps a shard: the full copy is assembled first; else the slots go straight home.
+        full = torch.zeros(n, dtype=self.dtype) if self.zero == 3 and home is not None else None
         for s, src in zip(u.layout.slots, originals):
             if src.numel() != s.numel:
                 raise ValueError(f"unit {u.name!r}: value for {s.name!r} has {src.numel()} elements, "
                                  f"expected {s.numel} (shape {tuple(s.shape)})")
             if s.trainable and master_full is not None:
                 master_full[s.offset:s.offset + s.numel].copy_(src)
-            if u.host_compute is not None and self.zero != 3:
-                u.host_compute[s.offset:s.offset + s.numel].copy_(src)
-        if self.zero == 3 and u.host_compute is not None:
-            full = torch.zeros(n, dtype=self.dtype)
-            for s, src in zip(u.layout.slots, originals):
-                full[s.offset:s.offset + s.numel].copy_(src)
-            u.host_compute.copy_(self.sharding.shard_of_params(full, tn))
+            dst = full if full is not None else home
+            if dst is not None:
+                dst[s.offset:s.offset + s.numel].copy_(src)
+        if full is not None:
+            home.copy_(self.sharding.shard_of_params(full, tn))
         if tn and master_full is not u.master:
             lo, hi = self.sharding.shard(tn)
             own = master_full[lo:hi]
@@ -361,12 +366,7 @@ class Engine:
                     self.nvme.write(swap_key(u.index, "master"), own).wait()
             else:
                 u.master.copy_(own)
-        if self.params_nvme:
-            full = torch.zeros(n, dtype=self.dtype)
-            for s, src in zip(u.layout.slots, originals):
-                full[s.offset:s.offset + s.numel].copy_(src)
-            comp, buf = self._host_acquire(self.home_compute_numel(u), self.dtype, compute=True)
-            comp.copy_(self.sharding.shard_of_params(full, tn) if self.zero == 3 else full)
+        if comp is not None:
             self.nvme.write(swap_key(u.index, "compute"), comp).wait()
             with self._host_lock:
                 u.host_compute, u.host_buf = comp, buf  # stays cached while the budget has room
@@ -427,7 +427,7 @@ class Engine:
         if master is not None:
             lo, hi = self.sharding.shard(u.trainable_numel)
             if self.opt_nvme and not self.master_is_compute(u):  # else written below with the compute copy
-                self.nvme.write(swap_key(u.index, "master"), master[lo:hi].clone()).wait()
+                self.nvme.write(swap_key(u.index, "master"), master[lo:hi]).wait()
             elif self.zero:
                 u.master.copy_(master[lo:hi])
         if self.zero == 3:
@@ -618,6 +618,13 @@ class Engine:
             u.host_write.wait()
             u.host_write = None
 
+    def _make_host_room(self, protect: Optional[Unit]) -> bool:
+        """One step of freeing host memory (call with the host lock): finished
+        write-backs, else a cached compute copy other than ``protect``'s, else
+        a write-back waited for. False: nothing of these was left."""
+        return bool(self._release_deferred(block=False) or self._evict_cached(protect)
+                    or self._release_deferred(block=True))
+
     def _host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed host buffer kept for good (placement at ``initialize``);
         evicts compute copies cached by earlier units' initialisation to make room."""
@@ -626,8 +633,7 @@ class Engine:
                 try:
                     return self.host_tier.alloc(numel, dtype)
                 except PoolExhausted:
-                    if self._release_deferred(block=False) or self._evict_cached(None) \
-                            or self._release_deferred(block=True):
+                    if self._make_host_room(None):
                         continue
                     raise BudgetError(f"host tier: {_nbytes(numel, dtype)} bytes needed for a permanent buffer, "
                                       f"{self.host_tier.free_bytes} of {self.host_tier.pool.capacity_bytes} free; "
@@ -646,8 +652,7 @@ class Engine:
                 try:
                     return self.host_tier.acquire(numel, dtype, zero, high=compute)
                 except PoolExhausted:
-                    if self._release_deferred(block=False) or self._evict_cached(protect) \
-                            or self._release_deferred(block=True):
+                    if self._make_host_room(protect):
                         continue
                     if threading.current_thread() is threading.main_thread() and self._wait_optimizer_work():
                         continue
@@ -1112,14 +1117,12 @@ class Engine:
                     h.wait()
             self.nvme.close()
 
-
     def _settle_collectives(self, timeout_s: float = 30.0) -> None:
         """Waits (at most ``timeout_s`` seconds each) for stage-3 gathers still
         in flight, e.g. prefetches nobody used. Every rank issued the same ones,
         so they complete; left pending, gloo finishes them on its own thread
         while the interpreter shuts down and the process aborts. A gather not
         issued yet (NVMe, deferred) stays unissued on every rank alike."""
-        import datetime
         for u in self.units:
             t = u.fetch_ticket
             if isinstance(t, DeferredTicket):

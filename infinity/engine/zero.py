@@ -98,17 +98,22 @@ class Sharding:
         # convention of the ZeRO paper's communication volumes.
         self.stats.moved("all_reduce", 2 * t.numel() * t.element_size())
 
+    def _param_regions(self, numel: int, trainable: int):
+        """Stage 3 layout of a unit's compute copy: (start, end, per-rank
+        length) of its trainable region, then its frozen one, each split
+        evenly over the ranks so the trainable shard lines up with the
+        optimizer's shard."""
+        for a, b in ((0, trainable), (trainable, numel)):
+            if b > a:
+                yield a, b, (b - a) // self.world
+
     def gather_units_params(self, full: torch.Tensor, shard: torch.Tensor, trainable: int) -> "GatherTicket":
         """Stage 3: fills a unit's full compute copy ``full`` (device) from every
-        rank's ``shard`` (host: its trainable shard, then its frozen shard).
-        The trainable and frozen regions are gathered separately so the
-        trainable shard lines up with the optimizer's shard. Asynchronous."""
+        rank's ``shard`` (host: its trainable shard, then its frozen shard),
+        region by region (:meth:`_param_regions`). Asynchronous."""
         works = []
         pos = 0
-        for a, b in ((0, trainable), (trainable, full.numel())):
-            if b <= a:
-                continue
-            k = (b - a) // self.world
+        for a, b, k in self._param_regions(full.numel(), trainable):
             lo = a + self.rank * k
             full[lo:lo + k].copy_(shard[pos:pos + k], non_blocking=True)
             pos += k
@@ -117,13 +122,11 @@ class Sharding:
         return GatherTicket(works)
 
     def shard_of_params(self, full: torch.Tensor, trainable: int) -> torch.Tensor:
-        """Stage 3: this rank's shard of a full compute copy (layout of :meth:`gather_units_params`)."""
-        parts = []
-        for a, b in ((0, trainable), (trainable, full.numel())):
-            if b > a:
-                k = (b - a) // self.world
-                parts.append(full[a + self.rank * k:a + (self.rank + 1) * k])
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        """Stage 3: this rank's shard of a full compute copy (layout of
+        :meth:`gather_units_params`); a view of ``full`` when the unit has one region."""
+        parts = [full[a + self.rank * k:a + (self.rank + 1) * k]
+                 for a, b, k in self._param_regions(full.numel(), trainable)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def sum_shards(self, x: float) -> float:
         """Sum over the ranks of a per-shard float (norms, overflow checks);
