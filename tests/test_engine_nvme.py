@@ -112,6 +112,38 @@ def test_nvme_clipping_and_accumulation(tmp_path):
     infinity.api.close(model)
 
 
+def test_nvme_read_ahead_optimizer_state_gives_way(tmp_path):
+    """When nothing else is left to free, a host buffer needed now takes the
+    memory of an optimizer state read ahead (opt_prefetch) and not yet used;
+    its update reads the state again and training still matches PyTorch."""
+    from infinity.io.errors import PoolExhausted
+
+    def between(model, ref, step):
+        if step != 1:
+            return
+        eng = infinity.api.engine_of(model)
+        root, other = eng.units[0], eng.units[1]
+        assert eng.opt_prefetch(root) and root.opt_pending is not None
+        held = []
+        with eng._host_lock:
+            while eng._evict_cached(None) or eng._release_deferred(block=True):
+                pass
+            size = 1 << 30
+            while size >= 4096:  # fill what is left of the pool
+                try:
+                    held.append(eng.host_tier.acquire(size, torch.uint8)[1])
+                except PoolExhausted:
+                    size //= 2
+            t, buf = eng._host_acquire(eng.state_numel(root), torch.float32, protect=other)
+            assert root.opt_pending is None and root.opt_bufs == [] and root.exp_avg is None
+            held.append(buf)
+        for b in held:
+            eng.host_tier.release(b)
+
+    model, _, _, _ = train_pair(small_gpt, cfg(tmp_path, host_memory=30 * UB), steps=4, between=between)
+    infinity.api.close(model)
+
+
 def test_nvme_traffic_falls_as_host_budget_grows(tmp_path):
     reads, writes = [], []
     # 15 units is just above this placement's minimum (14.5): the cache can

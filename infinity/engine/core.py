@@ -656,10 +656,28 @@ class Engine:
                         continue
                     if threading.current_thread() is threading.main_thread() and self._wait_optimizer_work():
                         continue
+                    if self._drop_opt_prefetch(protect):
+                        continue
                     nbytes = _nbytes(numel, dtype)
                     raise BudgetError(f"host tier: {nbytes} bytes needed, {self.host_tier.free_bytes} of "
                                       f"{self.host_tier.pool.capacity_bytes} free and nothing left to evict; "
                                       "raise host_memory or lower prefetch_depth") from None
+
+    def _drop_opt_prefetch(self, protect: Optional[Unit]) -> bool:
+        """Gives back the buffers of an optimizer state read ahead by
+        :meth:`opt_prefetch` and not yet claimed by its update (call with the
+        host lock): a read-ahead is a cache, and memory needed now comes
+        first; the update reads the state again. The root's goes first (it is
+        updated last). True if one was dropped."""
+        for u in self.units:
+            if u is protect or u.opt_pending is None:
+                continue
+            for h in u.opt_pending:
+                h.wait()
+            u.opt_pending = None
+            self.opt_store_unchanged(u)  # nothing changed: the NVMe copies stand
+            return True
+        return False
 
     def _wait_optimizer_work(self) -> bool:
         """Waits (without the host lock) for one update running on the host
