@@ -13,6 +13,10 @@ Cases
                  'pool'  = from/into HostPool buffers (zero-copy, what the offload
                            engine uses); 'plain' = ordinary torch tensors (staged
                            through the store's pinned buffers).
+  store/...-thp  the default store with 'plain' tensors allocated by torch under
+                 THP_MEM_ALLOC_ENABLE=1 (measured in a child process, since torch
+                 reads the variable once): page-aligned, in huge pages, so they
+                 move without a copy (docs/io.md, "Plain tensors").
   aiofiles/*     aiofiles write+fsync and cold read (page cache dropped for the
                  file), the reference system's fallback approach.
   deepspeed-aio/* DeepSpeed's AIO op (libaio), where DeepSpeed is installed, in
@@ -246,6 +250,37 @@ def store_run(dirs, backend, bs, qd, size, pool_buf, plain) -> dict:
     return res
 
 
+def thp_child(root: Path, size: int) -> int:
+    """One store life (default config) in this process, started with
+    THP_MEM_ALLOC_ENABLE=1: its plain tensor comes from torch's allocator in
+    huge pages. Prints the store_run figures as JSON on the last line."""
+    pool = HostPool(size + 4096)
+    pool_buf = pool.acquire(size).tensor
+    pool_buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+    plain = torch.empty(size, dtype=torch.uint8)
+    plain.fill_(1)
+    # The first O_DIRECT transfer from memory the disk has not seen ran at
+    # ~0.7 of later ones here (the parent's buffers were sent in earlier
+    # rounds): send the tensor once before measuring.
+    with SwapStore(str(root / "warm"), capacity_bytes=size + 16 * MiB) as w:
+        w.write("k", plain).wait()
+    try:
+        r = store_run([str(root / "p0")], "io_uring", 8 * MiB, 16, size, pool_buf, plain)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        pool.close()
+    r["plain_aligned"] = plain.data_ptr() % 4096 == 0
+    print(json.dumps(r))
+    return 0
+
+
+def run_thp_child(root: Path, size: int) -> dict:
+    env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1")
+    out = subprocess.run([sys.executable, __file__, "--thp-child", "--dir", str(root), "--size-mib",
+                          str(size // MiB)], env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="./infinity-swap/bench", help="scratch directory (deleted files at end)")
@@ -253,10 +288,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--full", action="store_true", help="sweep block sizes 1-16 MiB and queue depths 1-32")
     ap.add_argument("--json", default=None, help="also write the JSON result to this file")
+    ap.add_argument("--thp-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     size = args.size_mib * MiB
     root = Path(args.dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    if args.thp_child:
+        return thp_child(root, size)
     have_fio = shutil.which("fio") is not None
     have_aio = True
     try:
@@ -298,6 +336,7 @@ def main() -> int:
         samples.setdefault(case, {}).setdefault(metric, []).append(v)
 
     t0 = time.time()
+    thp_aligned_failed = False
     try:
         for rnd in range(args.rounds):
             for raw_name, bs, qd, jobs in raw_cases:
@@ -318,6 +357,17 @@ def main() -> int:
                     add(case, k, v)
                 for d in dirs:
                     shutil.rmtree(d, ignore_errors=True)
+            if native and not thp_aligned_failed:
+                r = run_thp_child(root / "thp", size)
+                if not r.pop("plain_aligned"):
+                    # This torch's allocator ignored the variable: the case would repeat 'plain'.
+                    thp_aligned_failed = True
+                    print("[bench_io] THP_MEM_ALLOC_ENABLE=1 did not give page-aligned tensors; "
+                          "thp case skipped", file=sys.stderr)
+                else:
+                    case = f"store/{r.pop('backend')}-bs8M-qd16-paths1-thp"
+                    for k, v in r.items():
+                        add(case, k, v)
             if ds is not None:
                 for locked in (True, False):
                     r = ds_aio_run(ds, str(root / "ds.bin"), size, locked)
@@ -399,6 +449,10 @@ def main() -> int:
                    for m in ("read", "write", "write_plain")]
         checks += [(f"{m} / DeepSpeed AIO", vs_ds.get(default, {}).get(m), 1.0)
                    for m in ("write_fresh", "write_over", "read", "read_plain", "write_plain")]
+        # Plain tensors from torch's allocator run with THP_MEM_ALLOC_ENABLE=1 (docs/io.md).
+        thp = default + "-thp"
+        checks += [(f"{m} (torch THP) / raw same extents", paired.get(thp, {}).get(m), 0.9)
+                   for m in ("write_plain",)]
         for name, v, need in checks:
             if v is not None:
                 verdict[name] = {"ratio": v, "target": need, "met": v >= need}
