@@ -427,6 +427,11 @@ class SwapStore:
         ``wait()`` returns. Writing an existing key replaces it (reusing its
         extents when the size is unchanged). If the write fails, the key is
         removed: its old contents are not kept.
+
+        A 4 KiB-aligned tensor (a :class:`HostPool` buffer, or a tensor of 2 MiB
+        or more from torch's allocator in a process started with
+        ``THP_MEM_ALLOC_ENABLE=1``) goes to the disk without a copy; others are
+        copied through staging buffers (docs/io.md, "Plain tensors").
         """
         self._check_open()
         src = self._source(tensor, "write")
