@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -265,7 +266,7 @@ def thp_child(root: Path, size: int) -> int:
     with SwapStore(str(root / "warm"), capacity_bytes=size + 16 * MiB) as w:
         w.write("k", plain).wait()
     try:
-        r = store_run([str(root / "p0")], "io_uring", 8 * MiB, 16, size, pool_buf, plain)
+        r = store_run([str(root / "p0")], "auto", 8 * MiB, 16, size, pool_buf, plain)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         pool.close()
@@ -274,11 +275,16 @@ def thp_child(root: Path, size: int) -> int:
     return 0
 
 
-def run_thp_child(root: Path, size: int) -> dict:
+def run_thp_child(root: Path, size: int) -> Optional[dict]:
+    """thp_child's figures, or None (with the child's error on stderr) if it failed."""
     env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1")
-    out = subprocess.run([sys.executable, __file__, "--thp-child", "--dir", str(root), "--size-mib",
-                          str(size // MiB)], env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    p = subprocess.run([sys.executable, __file__, "--thp-child", "--dir", str(root), "--size-mib",
+                        str(size // MiB)], env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(f"[bench_io] THP child failed (rc {p.returncode}); thp case skipped:\n{p.stderr[-2000:]}",
+              file=sys.stderr)
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -336,7 +342,7 @@ def main() -> int:
         samples.setdefault(case, {}).setdefault(metric, []).append(v)
 
     t0 = time.time()
-    thp_aligned_failed = False
+    thp_skip = False  # or the child failed: skip the case from then on
     try:
         for rnd in range(args.rounds):
             for raw_name, bs, qd, jobs in raw_cases:
@@ -357,11 +363,13 @@ def main() -> int:
                     add(case, k, v)
                 for d in dirs:
                     shutil.rmtree(d, ignore_errors=True)
-            if native and not thp_aligned_failed:
+            if native and not thp_skip:
                 r = run_thp_child(root / "thp", size)
-                if not r.pop("plain_aligned"):
+                if r is None:
+                    thp_skip = True
+                elif not r.pop("plain_aligned"):
                     # This torch's allocator ignored the variable: the case would repeat 'plain'.
-                    thp_aligned_failed = True
+                    thp_skip = True
                     print("[bench_io] THP_MEM_ALLOC_ENABLE=1 did not give page-aligned tensors; "
                           "thp case skipped", file=sys.stderr)
                 else:
