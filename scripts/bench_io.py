@@ -7,8 +7,9 @@ alike; figures are medians over rounds, and ratios compare the store with the
 best raw figure of the same run.
 
 Cases
-  raw/fio-*      fio with O_DIRECT, io_uring, deep queue (the disk's own figure);
-                 without fio, a Python O_DIRECT thread pool measured the same way.
+  raw/fio-*      fio with O_DIRECT, io_uring, deep queue (the disk's own figure).
+  raw/pyraw-*    a Python O_DIRECT thread pool measured the same way, from warm
+                 huge-page buffers ([Note: warm memory]); always run.
   store/*        SwapStore (native io_uring / native threads / Python fallback):
                  'pool'  = from/into HostPool buffers (zero-copy, what the offload
                            engine uses); 'plain' = ordinary torch tensors (staged
