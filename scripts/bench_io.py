@@ -61,8 +61,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
