@@ -18,6 +18,11 @@ Cases
                  THP_MEM_ALLOC_ENABLE=1 (measured in a child process, since torch
                  reads the variable once): page-aligned, in huge pages, so they
                  move without a copy (docs/io.md, "Plain tensors").
+  repeat/pyraw-bs8M-qd8  the first raw case measured again, after the store
+                 cases of each round and not counted in the best raw figure:
+                 its ratio to the best raw figure is what the disk's own noise
+                 and the maximum over several raw cases give a method that is
+                 exactly raw ([Note: the noise floor]).
   aiofiles/*     aiofiles write+fsync and cold read (page cache dropped for the
                  file), the reference system's fallback approach.
   deepspeed-aio/* DeepSpeed's AIO op (libaio), where DeepSpeed is installed, in
@@ -44,6 +49,16 @@ O_DIRECT buffer of this script is allocated once and reused: the raw thread
 pool's buffers are slices of the store's pool buffer. fio allocates its own
 buffers in each run and keeps that handicap; the best raw figure is the
 maximum over all raw cases.
+
+[Note: the noise floor]
+A 5-round median of one raw method moves by several percent from run to run
+here (memory bandwidth drifts about 1.7x over minutes, and the host side of the
+disk has its own state), and the best raw figure is the largest of several such
+medians, so it is biased upwards. A store ratio a few percent under 1.0 in one
+run can therefore be noise: 'repeat/' measures the first raw case (the Python
+pool, 8 MiB blocks, queue depth 8; usually the best) a second time in each
+round, and its ratio to the best raw figure, printed beside the targets, is
+what exactly-raw I/O gets in the same run.
 
 Usage: python scripts/bench_io.py [--dir DIR] [--size-mib 1024] [--rounds 3] [--full]
 Writes under --dir (default ./infinity-swap/bench) and deletes its files at the end.
@@ -380,6 +395,12 @@ def main() -> int:
                     add(case, k, v)
                 for d in dirs:
                     shutil.rmtree(d, ignore_errors=True)
+            # [Note: the noise floor]: the first raw case again, later in the round.
+            raw_name, bs, qd, jobs = raw_cases[0]
+            f = str(root / "raw.bin")
+            for m, rw in (("write_fresh", "write"), ("write_over", "write"), ("read", "read")):
+                add(f"repeat/{raw_name}-bs{bs // MiB}M-qd{qd}", m, pyraw_run(f, rw, size, bs, qd, jobs, mem=pool_mem))
+            os.unlink(f)
             if native and not thp_skip:
                 r = run_thp_child(root / "thp", size)
                 if r is None:
@@ -484,7 +505,11 @@ def main() -> int:
             if v is not None:
                 verdict[name] = {"ratio": v, "target": need, "met": v >= need}
                 print(f"  {name:34s} {v:6.2f}  {'met' if v >= need else 'MISSED'} (>= {need})")
-    out = {"targets": verdict, "ratio_to_deepspeed_aio": vs_ds, "paired_ratio_same_extents": paired, "size_bytes": size, "rounds": args.rounds, "raw_tools": sorted({c[0] for c in raw_cases}), "median_gbps": med,
+        rep = next((c for c in ratios if c.startswith("repeat/")), None)
+        if rep:
+            print(f"  noise floor ({rep[7:]} measured again in each round, / best raw): "
+                  + ", ".join(f"{m} {v:.2f}" for m, v in ratios[rep].items()))
+    out = {"targets": verdict, "noise_floor": next((v for c, v in ratios.items() if c.startswith("repeat/")), None), "ratio_to_deepspeed_aio": vs_ds, "paired_ratio_same_extents": paired, "size_bytes": size, "rounds": args.rounds, "raw_tools": sorted({c[0] for c in raw_cases}), "median_gbps": med,
            "samples_gbps": samples, "best_raw_gbps": best_raw, "ratio_to_best_raw": ratios,
            "native": native, "seconds": round(time.time() - t0, 1)}
     print(json.dumps(out, indent=1, sort_keys=True))
