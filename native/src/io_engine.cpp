@@ -303,7 +303,8 @@ struct inf_io_engine {
   // [Note: staged copies go through the cache piece by piece]
   // Copying a staged block into its slot and then taking its checksum would
   // read it from DRAM twice, beside the disk's own DMA. So every block is
-  // walked in pieces of at most kPiece bytes (L2-sized): a staged write sums
+  // walked piece by piece, a piece being one checksum chunk (at most
+  // kStageBlock bytes, L2-sized): a staged write sums
   // a piece of the source, which brings it into cache, and copies it into the
   // slot; a staged read sums a piece of the slot and copies it out while it
   // is hot. (Plain stores, not streaming ones, into the slot: the virtio disk
@@ -312,19 +313,18 @@ struct inf_io_engine {
   // in cache, where the disk's DMA finds them: plain-tensor writes went from
   // 0.86-0.93 of direct writes with 1 MiB staged blocks to 0.82-1.10 (median
   // 1.01) with 256 KiB (128 KiB and less lose to per-request costs).
-  static constexpr int64_t kPiece = 256 << 10;
 
   // Walks a block's user bytes [b->rel, b->rel + n) piece by piece. With
   // `sum`, each piece is summed from `src` (request byte `rel` at src + rel)
   // into its checksum chunk, and a chunk's sum is settled (stored, or checked
   // on verified reads) at its last byte; then fn(rel, nbytes) runs on the
-  // piece. Pieces never straddle a chunk: chunk_bytes divides the block and
-  // the piece, and the body's end starts the tail chunk.
+  // piece. A piece is a chunk (chunk_bytes divides the block) or, at the
+  // body's end, the chunk's rest; the tail chunk follows.
   template <class Fn>
   int walk(Block* b, int64_t n, const unsigned char* src, bool sum, std::string& msg, Fn fn) {
     Request* r = b->r;
     const int64_t end = b->rel + n;
-    const int64_t piece = std::min(kPiece, chunk_bytes);
+    const int64_t piece = chunk_bytes;
     uint32_t crc = 0;
     int64_t chunk_start = b->rel;
     for (int64_t p = b->rel; p < end;) {
