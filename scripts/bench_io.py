@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Throughput of the SwapStore against the raw disk, measured in one run.
 
-For each round, every case runs once, in the same order (A B C ... A B C ...),
-so that slow drift of the disk (host caches, burst credits) hits all cases
-alike; figures are medians over rounds, and ratios compare the store with the
-best raw figure of the same run.
+For each round, every case runs once, in an order shuffled per round (seeded
+by the round: [Note: shuffled order]), so that slow drift of the disk (host
+caches, burst credits) and whatever a case leaves behind for the next hit all
+cases alike; figures are medians over rounds, and ratios compare the store
+with the best raw figure of the same run.
 
 Cases
   raw/fio-*      fio with O_DIRECT, io_uring, deep queue (the disk's own figure).
@@ -22,8 +23,8 @@ Cases
                  THP_MEM_ALLOC_ENABLE=1 (measured in a child process, since torch
                  reads the variable once): page-aligned, in huge pages, so they
                  move without a copy (docs/io.md, "Plain tensors").
-  repeat/pyraw-bs8M-qd8  the first raw case measured again, after the store
-                 cases of each round and not counted in the best raw figure:
+  repeat/pyraw-bs8M-qd8  the first raw case measured again, at its own place
+                 in each round and not counted in the best raw figure:
                  its ratio to the best raw figure is what the disk's own noise
                  and the maximum over several raw cases give a method that is
                  exactly raw ([Note: the noise floor]).
@@ -54,6 +55,17 @@ pool's buffers are slices of the store's pool buffer. fio allocates its own
 buffers in each run and keeps that handicap; the best raw figure is the
 maximum over all raw cases.
 
+[Note: shuffled order]
+The disk's speed depends on what ran just before. With the same order in every
+round, the raw cases ran first, right after the THP child process, DeepSpeed
+and aiofiles, and the Python pool's overwrites there reached 10.4-10.7 GB/s in
+rounds where the same method, measured again after the store cases, reached
+8.3-8.7 ('repeat/' then got 0.83 of the best raw figure in one run): every
+store case was judged against a figure that the raw method itself did not
+reach mid-round. Neither a 20 s pause nor the aiofiles case alone reproduced
+the boost, so rather than guess its cause the script shuffles the order in
+each round (random.Random(round)): no case keeps a favoured place.
+
 [Note: the noise floor]
 A 5-round median of one raw method moves by several percent from run to run
 here (memory bandwidth drifts about 1.7x over minutes, and the host side of the
@@ -61,7 +73,7 @@ disk has its own state), and the best raw figure is the largest of several such
 medians, so it is biased upwards. A store ratio a few percent under 1.0 in one
 run can therefore be noise: 'repeat/' measures the first raw case (the Python
 pool, 8 MiB blocks, queue depth 8; usually the best) a second time in each
-round, and its ratio to the best raw figure, printed beside the targets, is
+round, as a case of its own, and its ratio to the best raw figure, printed beside the targets, is
 what exactly-raw I/O gets in the same run.
 
 Usage: python scripts/bench_io.py [--dir DIR] [--size-mib 1024] [--rounds 3] [--full]
@@ -75,6 +87,7 @@ import asyncio
 import functools
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -378,58 +391,80 @@ def main() -> int:
     def add(case, metric, v):
         samples.setdefault(case, {}).setdefault(metric, []).append(v)
 
-    t0 = time.time()
+    def raw_step(raw_name, bs, qd, jobs, label="raw"):
+        raw_fn = fio_run if raw_name == "fio" else functools.partial(pyraw_run, mem=pool_mem)
+        case = f"{label}/{raw_name}-bs{bs // MiB}M-qd{qd}" + (f"-jobs{jobs}" if jobs > 1 else "")
+
+        def run(rnd):
+            f = str(root / "raw.bin")
+            if os.path.exists(f):
+                os.unlink(f)
+            add(case, "write_fresh", raw_fn(f, "write", size, bs, qd, jobs))
+            add(case, "write_over", raw_fn(f, "write", size, bs, qd, jobs))
+            add(case, "read", raw_fn(f, "read", size, bs, qd, jobs))
+            os.unlink(f)
+        return run
+
+    def store_step(backend, bs, qd, npaths, stage):
+        def run(rnd):
+            dirs = [str(root / f"p{i}") for i in range(npaths)]
+            r = store_run(dirs, backend, bs, qd, size, pool_buf, plain, stage)
+            case = (f"store/{r.pop('backend')}-bs{bs // MiB}M-qd{qd}-paths{npaths}"
+                    + ("-direct" if stage is False else ""))
+            for k, v in r.items():
+                add(case, k, v)
+            for d in dirs:
+                shutil.rmtree(d, ignore_errors=True)
+        return run
+
     thp_skip = False  # or the child failed: skip the case from then on
+
+    def thp_step(rnd):
+        nonlocal thp_skip
+        if thp_skip:
+            return
+        r = run_thp_child(root / "thp", size)
+        if r is None:
+            thp_skip = True
+        elif not r.pop("plain_aligned"):
+            # This torch's allocator ignored the variable: the case would repeat 'plain'.
+            thp_skip = True
+            print("[bench_io] THP_MEM_ALLOC_ENABLE=1 did not give page-aligned tensors; "
+                  "thp case skipped", file=sys.stderr)
+        else:
+            case = f"store/{r.pop('backend')}-bs8M-qd16-paths1-thp"
+            for k, v in r.items():
+                add(case, k, v)
+
+    def ds_step(rnd):
+        for locked in (True, False):
+            r = ds_aio_run(ds, str(root / "ds.bin"), size, ds_bufs["locked" if locked else "plain"])
+            for k, v in r.items():
+                add(f"deepspeed-aio/bs1M-qd32-t2-{'locked' if locked else 'plain'}", k, v)
+
+    def aiofiles_step(rnd):
+        f = str(root / "aio.bin")
+        w, rd = aiofiles_run(f, data, size, 8 * MiB)
+        add("aiofiles/bs8M-fsync", "write_over" if rnd else "write_fresh", w)
+        add("aiofiles/bs8M-fsync", "read", rd)
+
+    # One round runs every case once, in its own order ([Note: shuffled order]).
+    steps = [raw_step(*c) for c in raw_cases] + [store_step(*c) for c in store_cases]
+    steps.append(raw_step(*raw_cases[0], label="repeat"))  # [Note: the noise floor]
+    if native:
+        steps.append(thp_step)
+    if ds is not None:
+        steps.append(ds_step)
+    if have_aio:
+        steps.append(aiofiles_step)
+
+    t0 = time.time()
     try:
         for rnd in range(args.rounds):
-            for raw_name, bs, qd, jobs in raw_cases:
-                raw_fn = fio_run if raw_name == "fio" else functools.partial(pyraw_run, mem=pool_mem)
-                f = str(root / "raw.bin")
-                if os.path.exists(f):
-                    os.unlink(f)
-                case = f"raw/{raw_name}-bs{bs // MiB}M-qd{qd}" + (f"-jobs{jobs}" if jobs > 1 else "")
-                add(case, "write_fresh", raw_fn(f, "write", size, bs, qd, jobs))
-                add(case, "write_over", raw_fn(f, "write", size, bs, qd, jobs))
-                add(case, "read", raw_fn(f, "read", size, bs, qd, jobs))
-                os.unlink(f)
-            for backend, bs, qd, npaths, stage in store_cases:
-                dirs = [str(root / f"p{i}") for i in range(npaths)]
-                r = store_run(dirs, backend, bs, qd, size, pool_buf, plain, stage)
-                case = (f"store/{r.pop('backend')}-bs{bs // MiB}M-qd{qd}-paths{npaths}"
-                        + ("-direct" if stage is False else ""))
-                for k, v in r.items():
-                    add(case, k, v)
-                for d in dirs:
-                    shutil.rmtree(d, ignore_errors=True)
-            # [Note: the noise floor]: the first raw case again, later in the round.
-            raw_name, bs, qd, jobs = raw_cases[0]
-            f = str(root / "raw.bin")
-            for m, rw in (("write_fresh", "write"), ("write_over", "write"), ("read", "read")):
-                add(f"repeat/{raw_name}-bs{bs // MiB}M-qd{qd}", m, pyraw_run(f, rw, size, bs, qd, jobs, mem=pool_mem))
-            os.unlink(f)
-            if native and not thp_skip:
-                r = run_thp_child(root / "thp", size)
-                if r is None:
-                    thp_skip = True
-                elif not r.pop("plain_aligned"):
-                    # This torch's allocator ignored the variable: the case would repeat 'plain'.
-                    thp_skip = True
-                    print("[bench_io] THP_MEM_ALLOC_ENABLE=1 did not give page-aligned tensors; "
-                          "thp case skipped", file=sys.stderr)
-                else:
-                    case = f"store/{r.pop('backend')}-bs8M-qd16-paths1-thp"
-                    for k, v in r.items():
-                        add(case, k, v)
-            if ds is not None:
-                for locked in (True, False):
-                    r = ds_aio_run(ds, str(root / "ds.bin"), size, ds_bufs["locked" if locked else "plain"])
-                    for k, v in r.items():
-                        add(f"deepspeed-aio/bs1M-qd32-t2-{'locked' if locked else 'plain'}", k, v)
-            if have_aio:
-                f = str(root / "aio.bin")
-                w, rd = aiofiles_run(f, data, size, 8 * MiB)
-                add("aiofiles/bs8M-fsync", "write_over" if rnd else "write_fresh", w)
-                add("aiofiles/bs8M-fsync", "read", rd)
+            order = list(steps)
+            random.Random(rnd).shuffle(order)
+            for step in order:
+                step(rnd)
             print(f"[bench_io] round {rnd + 1}/{args.rounds} done ({time.time() - t0:.0f} s)", file=sys.stderr)
     finally:
         shutil.rmtree(root, ignore_errors=True)
