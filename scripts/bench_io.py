@@ -15,10 +15,6 @@ Cases
                  'pool'  = from/into HostPool buffers (zero-copy, what the offload
                            engine uses); 'plain' = ordinary torch tensors (staged
                            through the store's pinned buffers).
-  store/...-direct  the default store with stage_writes=False: writes from
-                 pool buffers go straight to the disk, checksummed in a separate
-                 pass, instead of being staged (the default with checksums on;
-                 [Note: staged writes] in infinity/io/swap_store.py).
   store/...-thp  the default store with 'plain' tensors allocated by torch under
                  THP_MEM_ALLOC_ENABLE=1 (measured in a child process, since torch
                  reads the variable once): page-aligned, in huge pages, so they
@@ -73,8 +69,8 @@ disk has its own state), and the best raw figure is the largest of several such
 medians, so it is biased upwards. A store ratio a few percent under 1.0 in one
 run can therefore be noise: 'repeat/' measures the first raw case (the Python
 pool, 8 MiB blocks, queue depth 8; usually the best) a second time in each
-round, as a case of its own, and its ratio to the best raw figure, printed beside the targets, is
-what exactly-raw I/O gets in the same run.
+round, as a case of its own, and its ratio to the best raw figure, printed
+beside the targets, is what exactly-raw I/O gets in the same run.
 
 Usage: python scripts/bench_io.py [--dir DIR] [--size-mib 1024] [--rounds 3] [--full]
 Writes under --dir (default ./infinity-swap/bench) and deletes its files at the end.
@@ -253,14 +249,14 @@ def raw_extents(pieces, rw: str, bs: int, depth: int, mem: memoryview) -> float:
     return gbps(total, dt)
 
 
-def store_run(dirs, backend, bs, qd, size, pool_buf, plain, stage_writes=None) -> dict:
+def store_run(dirs, backend, bs, qd, size, pool_buf, plain) -> dict:
     """One store life: fresh write, overwrite, read (pool), read and write
     (plain); then reads and overwrites of the same extents, raw and by the
     store in turn (raw_same_*: the paired baseline; the store's overwrite
     from the pool buffer, then from a plain tensor)."""
     res = {}
     with SwapStore(dirs, capacity_bytes=size + len(dirs) * 16 * MiB, backend=backend, block_size=bs,
-                   queue_depth=qd, stage_writes=stage_writes) as s:
+                   queue_depth=qd) as s:
         for name, fn in [
             ("write_fresh", lambda: s.write("k", pool_buf).wait()),
             ("write_over", lambda: s.write("k", pool_buf).wait()),
@@ -358,11 +354,10 @@ def main() -> int:
     store_cases = []
     if native:
         for bs, qd in grid:
-            store_cases.append(("io_uring", bs, qd, 1, None))
-        store_cases.append(("io_uring", 8 * MiB, 16, 1, False))  # the default, writes not staged
-        store_cases.append(("threads", 8 * MiB, 8, 1, None))
-        store_cases.append(("io_uring", 8 * MiB, 8, 2, None))
-    store_cases.append(("python", 8 * MiB, 8, 1, None))
+            store_cases.append(("io_uring", bs, qd, 1))
+        store_cases.append(("threads", 8 * MiB, 8, 1))
+        store_cases.append(("io_uring", 8 * MiB, 8, 2))
+    store_cases.append(("python", 8 * MiB, 8, 1))
 
     # fio's own buffers are 4 KiB pages (see [Note: huge pages for DMA] in
     # infinity/io/host_pool.py); the Python O_DIRECT pool with huge pages is the
@@ -405,12 +400,11 @@ def main() -> int:
             os.unlink(f)
         return run
 
-    def store_step(backend, bs, qd, npaths, stage):
+    def store_step(backend, bs, qd, npaths):
         def run(rnd):
             dirs = [str(root / f"p{i}") for i in range(npaths)]
-            r = store_run(dirs, backend, bs, qd, size, pool_buf, plain, stage)
-            case = (f"store/{r.pop('backend')}-bs{bs // MiB}M-qd{qd}-paths{npaths}"
-                    + ("-direct" if stage is False else ""))
+            r = store_run(dirs, backend, bs, qd, size, pool_buf, plain)
+            case = f"store/{r.pop('backend')}-bs{bs // MiB}M-qd{qd}-paths{npaths}"
             for k, v in r.items():
                 add(case, k, v)
             for d in dirs:

@@ -80,11 +80,9 @@ def unaligned(t):
 SIZES = [1, 3, 4095, 4096, 4097, 65535, 65536, 65537, 3 * 65536 + 4096, 1 * MiB + 5, 5 * MiB - 1]
 
 
-@pytest.mark.parametrize("stage_writes", [True, False], ids=["staged-writes", "direct-writes"])
 @pytest.mark.parametrize("npaths", [1, 3])
-def test_round_trip_sizes_bit_exact(tmp_path, backend, npaths, stage_writes):
-    with make_store(tmp_path, backend, npaths, stripe_bytes=128 * 1024, stage_writes=stage_writes) as s, \
-            HostPool(16 * MiB) as pool:
+def test_round_trip_sizes_bit_exact(tmp_path, backend, npaths):
+    with make_store(tmp_path, backend, npaths, stripe_bytes=128 * 1024) as s, HostPool(16 * MiB) as pool:
         for i, n in enumerate(SIZES):
             x = rand_bytes(n, seed=i)
             for how, src in (("plain", unaligned(x)), ("aligned", None)):
@@ -258,13 +256,11 @@ def test_checksum_corruption_detected(tmp_path, backend, where):
             s.read("k", unaligned(y)).wait()
 
 
-@pytest.mark.parametrize("stage_writes", [True, False], ids=["staged-writes", "direct-writes"])
-def test_checksum_chunks_inside_large_blocks(tmp_path, backend, stage_writes):
+def test_checksum_chunks_inside_large_blocks(tmp_path, backend):
     """4 MiB blocks hold sixteen 256 KiB checksum chunks: a flipped byte in
     the ninth is named by that chunk's offset, read into a pool buffer (direct)
     or a plain tensor (staged in 256 KiB blocks), written either way."""
-    with make_store(tmp_path, backend, block_size=4 * MiB, staging_bytes=8 * MiB, capacity_bytes=32 * MiB,
-                    stage_writes=stage_writes) as s:
+    with make_store(tmp_path, backend, block_size=4 * MiB, staging_bytes=8 * MiB, capacity_bytes=32 * MiB) as s:
         x = rand_bytes(6 * MiB + 123)
         pool = HostPool(8 * MiB)
         try:
@@ -284,64 +280,40 @@ def test_checksum_chunks_inside_large_blocks(tmp_path, backend, stage_writes):
 
 
 def test_staged_and_direct_writes_store_the_same_checksums(tmp_path, backend):
-    """Whether a write from aligned memory is staged (the default with
-    checksums on a native engine) or direct, the stored bytes and the CRC list
-    are the same, and either reads back verified, bit-exact."""
-    n = 3 * MiB + 4097  # a body of 256 KiB chunks plus an unaligned tail
+    """The same bytes written from a pool buffer (direct, its 1-byte tail
+    staged) and from unaligned memory (staged in 256 KiB blocks) land as the
+    same file bytes with the same CRC list, and read back verified either way."""
+    n = 3 * MiB + 4097  # 12 chunks of 256 KiB, one of 4 KiB, an unaligned tail
     x = rand_bytes(n, seed=5)
-    crcs, files = {}, {}
-    for stage in (True, False):
-        d = tmp_path / str(stage)
-        d.mkdir()
-        with make_store(d, backend, block_size=1 * MiB, capacity_bytes=8 * MiB, stage_writes=stage) as s, \
-                HostPool(4 * MiB) as pool, pool.acquire(n) as buf:
-            buf.tensor.copy_(x)
-            h = s.write("k", buf.tensor)
-            # Staged: the whole request goes through slots; direct: only the 1-byte tail (one 4 KiB slot).
-            assert [st.capacity > 4096 for st in h._staging] == [stage]
+    with make_store(tmp_path, backend, block_size=1 * MiB, capacity_bytes=8 * MiB) as s, \
+            HostPool(4 * MiB) as pool, pool.acquire(n) as buf:
+        buf.tensor.copy_(x)
+        crcs, files = {}, {}
+        for key, src in (("direct", buf.tensor), ("staged", unaligned(x))):
+            h = s.write(key, src)
+            # Direct: only the tail goes through a (4 KiB) slot; staged: all of it.
+            assert [st.capacity > 4096 for st in h._staging] == [key == "staged"]
             h.wait()
-            piece = s._index["k"].pieces[0]
-            crcs[stage] = list(piece.crcs)
+            piece = s._index[key].pieces[0]
+            crcs[key] = list(piece.crcs)
             with open(s.stats()["paths"][0]["file"], "rb") as f:
                 f.seek(piece.offset)
-                files[stage] = f.read(n)
+                files[key] = f.read(n)
+        assert files["direct"] == files["staged"] == bytes(x.numpy())
+        assert crcs["direct"] == crcs["staged"] and len(crcs["direct"]) == 14
+        for key in crcs:
             buf.tensor.zero_()
-            s.read("k", buf.tensor).wait()
-            assert torch.equal(buf.tensor, x)
-    assert files[True] == files[False] == bytes(x.numpy())
-    assert crcs[True] == crcs[False] and len(crcs[True]) == 14  # 12 chunks of 256 KiB, one of 4 KiB, the 1-byte tail
+            s.read(key, buf.tensor).wait()
+            assert torch.equal(buf.tensor, x), key
 
 
-def test_stage_writes_policy_and_staging_size(tmp_path, backend):
-    """By default a write from aligned memory is staged only when it
-    overwrites a key in place with checksums on, a native engine and a queue
-    depth of 16 or more; stage_writes=True/False forces it. A staged request
-    holds at most queue_depth slots of staging memory (slots of min(block,
-    256 KiB) bytes on the native engines), however large it is."""
+def test_staging_held_to_queue_depth_slots(tmp_path, backend):
+    """A staged request holds at most queue_depth slots of staging memory
+    (slots of min(block, 256 KiB) bytes on the native engines), however large
+    it is: the engine keeps no more than that in flight."""
     native = backend != "python"
-    n = 2 * MiB
-
-    def staged(s, key, buf):
-        h = s.write(key, buf.tensor)
-        big = [st.capacity > 4096 for st in h._staging]  # else none, or only a tail slot
-        h.wait()
-        return big == [True]
-
-    with HostPool(4 * MiB) as pool, pool.acquire(n) as buf:
-        buf.tensor.copy_(rand_bytes(n, seed=3))
-        for name, kw, fresh, over in [
-                ("default", dict(queue_depth=16), False, native),
-                ("shallow", dict(queue_depth=8), False, False),
-                ("nocrc", dict(queue_depth=16, checksum=False), False, False),
-                ("always", dict(queue_depth=4, stage_writes=True), True, True),
-                ("never", dict(queue_depth=16, stage_writes=False), False, False)]:
-            with make_store(tmp_path / name, backend, **kw) as s:
-                assert (staged(s, "k", buf), staged(s, "k", buf)) == (fresh, over), name
-                y = torch.empty(n, dtype=torch.uint8)
-                s.read("k", y).wait()
-                assert torch.equal(y, buf.tensor), name
     block = 512 * 1024
-    with make_store(tmp_path / "c", backend, block_size=block, queue_depth=3, staging_bytes=16 * MiB,
+    with make_store(tmp_path, backend, block_size=block, queue_depth=3, staging_bytes=16 * MiB,
                     capacity_bytes=32 * MiB) as s:
         x = rand_bytes(12 * MiB + 5, seed=9)
         h = s.write("k", unaligned(x))

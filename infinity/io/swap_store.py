@@ -14,25 +14,12 @@ bytes, which go through a 4 KiB staging buffer so that nothing beyond the
 tensor is read or written. Any other tensor is staged block by block through
 staging buffers (pinned, from the store's own :class:`HostPool`), with the
 copy of one block overlapped with the transfer of others, inside the engine.
-Checksummed overwrites are staged whatever their alignment (next note).
 
-[Note: staged writes]
-A checksummed write reads every byte twice: once for the CRC, once for the
-disk's DMA. From aligned memory the two reads are separate passes over DRAM;
-staged, the engine checksums a 256 KiB piece, copies it into a slot while it
-is in cache, and the DMA reads the slot, one of a few reused ones, from cache.
-On this project's VM (a virtio disk whose overwrites run at host-memory
-speed) checksummed 1 GiB overwrites from pool buffers, 8 MiB blocks, queue
-depth 16, were 0.93-0.94 of raw O_DIRECT on the same extents direct and
-0.97-1.02 staged (paired rounds); with checksums off both were at raw speed.
-But staged blocks are small: writes into fresh extents (where the filesystem
-converts unwritten extents per request) fell from 0.99 to 0.80 of the best raw
-figure staged, and with 8 blocks in flight (2 MiB of staged blocks) staged
-overwrites were 0.83-0.89 against 0.91-0.93 direct. So by default only
-overwrites in place (same key, same size: what the offload engine does every
-step) are staged, and only with checksums on, a native engine (the Python one
-stages without the fused pass) and a queue depth of 16 or more;
-``stage_writes`` forces either way.
+[Note: ordering on one key]
+Operations on different keys run concurrently. On the same key, a ``read``
+or ``free`` waits for an earlier ``write`` to complete, and a ``write`` or
+``free`` waits for earlier reads and writes: a caller never reads a
+half-written extent, and extents are never reused under a transfer.
 """
 
 from __future__ import annotations
@@ -334,13 +321,10 @@ class SwapStore:
         stripe_bytes: a tensor larger than this is split evenly over all paths,
             so their bandwidth adds up; smaller ones go whole to the emptiest path.
             Default: ``block_size``.
-        stage_writes: copy the bytes of writes from 4 KiB-aligned memory
-            through staging buffers too, checksumming each piece as it is
-            copied. True: every write; False: none; None (default): overwrites
-            in place of a key's extents when ``checksum`` is on, the engine is
-            native and ``queue_depth`` >= 16 (see [Note: staged writes]).
-        staging_bytes: pinned staging memory (bytes) for staged transfers; at
-            least two blocks per path are kept.
+        staging_bytes: pinned staging memory (bytes) for tensors that are not
+            4 KiB-aligned; at least two blocks per path are kept. One transfer
+            holds at most ``queue_depth`` slots of it (``min(block_size, 256
+            KiB)`` bytes each on the native engines).
         host_pool: take staging buffers from this :class:`HostPool` instead of
             creating one (then ``staging_bytes`` only bounds one transfer's share).
         grow_bytes: growth step of the files when ``capacity_bytes`` is None.
@@ -349,8 +333,7 @@ class SwapStore:
     def __init__(self, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], *,
                  capacity_bytes: Optional[int] = None, block_size: int = 8 * MiB, queue_depth: int = 16,
                  checksum: bool = True, backend: str = "auto", direct: bool = True,
-                 stripe_bytes: Optional[int] = None, stage_writes: Optional[bool] = None,
-                 staging_bytes: int = 128 * MiB,
+                 stripe_bytes: Optional[int] = None, staging_bytes: int = 128 * MiB,
                  host_pool: Optional[HostPool] = None, grow_bytes: int = 256 * MiB):
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
@@ -388,7 +371,6 @@ class SwapStore:
         try:
             self._engine = self._make_engine(backend)
             self.backend = self._engine.backend
-            self.stage_writes = stage_writes
             self.checksum_name = self._engine.checksum_name if checksum else None
             with self._pool.acquire(ALIGN) as probe:
                 for i, p in enumerate(paths):
@@ -459,8 +441,7 @@ class SwapStore:
         self._settle(key)
         with self._lock:
             old = self._index.pop(key, None)
-            in_place = old is not None and old.nbytes == n
-            if in_place:  # same size: overwrite in place
+            if old is not None and old.nbytes == n:  # same size: overwrite in place
                 pieces = [_Piece(p.path_index, p.offset, p.rel, p.nbytes) for p in old.pieces]
             else:
                 if old is not None:
@@ -492,14 +473,8 @@ class SwapStore:
 
         handle._on_done = on_done
         entry.pending.append(handle)
-        self._submit(handle, WRITE, entry, src.data_ptr(), arrays, self._stages(in_place))
+        self._submit(handle, WRITE, entry, src.data_ptr(), arrays)
         return handle
-
-    def _stages(self, in_place: bool) -> bool:
-        """Whether a write from aligned memory is staged: [Note: staged writes]."""
-        if self.stage_writes is not None:
-            return bool(self.stage_writes)
-        return in_place and self.checksum and self.backend != "python" and self.queue_depth >= 16
 
     def read(self, key: Hashable, out: torch.Tensor) -> IOHandle:
         """Start reading ``key`` into ``out``; returns a handle to wait on.
@@ -698,10 +673,7 @@ class SwapStore:
                     return self._pool.acquire(nbytes, block=True, timeout=600)
                 older._complete()
 
-    def _submit(self, handle: IOHandle, op: int, entry: _Entry, base_ptr: int, arrays: list,
-                stage: bool = False) -> None:
-        """Hands each piece to the engine: aligned bytes directly (unless
-        ``stage``), the rest through a staging buffer."""
+    def _submit(self, handle: IOHandle, op: int, entry: _Entry, base_ptr: int, arrays: list) -> None:
         eng = self._engine
         B = self.block_size
         with self._lock:
@@ -711,8 +683,7 @@ class SwapStore:
                 fid = self._paths[piece.path_index].file_id
                 ptr = base_ptr + piece.rel
                 n = piece.nbytes
-                direct = ptr % ALIGN == 0 and not stage
-                body = n // ALIGN * ALIGN if direct else 0
+                body = n // ALIGN * ALIGN if ptr % ALIGN == 0 else 0
                 verify = op == READ and self.checksum
                 body_arr = tail_arr = None
                 if body:
