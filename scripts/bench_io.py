@@ -126,7 +126,6 @@ def pyraw_run(path: str, rw: str, size: int, bs: int, depth: int, jobs: int = 1,
     the engine's own method, measured like fio. Its ``depth`` buffers are
     slices of ``mem`` (4 KiB-aligned, huge pages, at least ``depth * bs``
     bytes): see [Note: warm memory] for why not fresh ones."""
-    from concurrent.futures import ThreadPoolExecutor
     if mem is None or len(mem) < depth * bs:
         raise ValueError(f"pyraw_run needs {depth} x {bs} bytes of buffer memory")
     bufs = [mem[i * bs:(i + 1) * bs] for i in range(depth)]
@@ -134,21 +133,27 @@ def pyraw_run(path: str, rw: str, size: int, bs: int, depth: int, jobs: int = 1,
     fd = os.open(path, flags, 0o600)
     if rw == "write" and os.fstat(fd).st_size < size:
         os.posix_fallocate(fd, 0, size)
-    offs = list(range(0, size, bs))
+    dt = thread_pool_io([(fd, off, bufs[i % depth]) for i, off in enumerate(range(0, size, bs))], rw, depth)
+    os.close(fd)
+    return gbps(size, dt)
 
-    def one(i):
-        b = bufs[i % depth]
+
+def thread_pool_io(jobs, rw: str, depth: int) -> float:
+    """Seconds for ``depth`` threads to pwrite (rw="write") or preadv each
+    ``(fd, offset, buffer)`` job: the raw O_DIRECT method of this script."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(job):
+        fd, off, b = job
         if rw == "write":
-            os.pwrite(fd, b, offs[i])
+            os.pwrite(fd, b, off)
         else:
-            os.preadv(fd, [b], offs[i])
+            os.preadv(fd, [b], off)
 
     t = time.perf_counter()
     with ThreadPoolExecutor(depth) as ex:
-        list(ex.map(one, range(len(offs))))
-    dt = time.perf_counter() - t
-    os.close(fd)
-    return gbps(size, dt)
+        list(ex.map(one, jobs))
+    return time.perf_counter() - t
 
 
 # ---- aiofiles ----------------------------------------------------------------------------
@@ -227,23 +232,10 @@ def raw_extents(pieces, rw: str, bs: int, depth: int, mem: memoryview) -> float:
     and from the same pool buffer the store uses (``mem``, byte ``rel`` of
     the key), no checksums: the raw disk on the same file, region, data
     freshness and memory as the store's transfer it is compared with."""
-    from concurrent.futures import ThreadPoolExecutor
     fds = {p: os.open(p, os.O_RDWR | os.O_DIRECT) for p in {p[0] for p in pieces}}
-    jobs = [(fds[p], off + a, min(bs, n - a), rel + a) for p, off, n, rel in pieces for a in range(0, n, bs)]
-    total = sum(j[2] for j in jobs)
-
-    def one(i):
-        fd, off, n, rel = jobs[i]
-        b = mem[rel:rel + n]
-        if rw == "write":
-            os.pwrite(fd, b, off)
-        else:
-            os.preadv(fd, [b], off)
-
-    t = time.perf_counter()
-    with ThreadPoolExecutor(depth) as ex:
-        list(ex.map(one, range(len(jobs))))
-    dt = time.perf_counter() - t
+    jobs = [(fds[p], off + a, mem[rel + a:rel + min(n, a + bs)]) for p, off, n, rel in pieces for a in range(0, n, bs)]
+    total = sum(len(j[2]) for j in jobs)
+    dt = thread_pool_io(jobs, rw, depth)
     for fd in fds.values():
         os.close(fd)
     return gbps(total, dt)
@@ -524,6 +516,7 @@ def main() -> int:
     # (against the best raw figure and DeepSpeed's AIO), then stricter checks
     # of our own (against raw O_DIRECT on the same extents, just before).
     default = "store/io_uring-bs8M-qd16-paths1"
+    rep = next((c for c in ratios if c.startswith("repeat/")), None)  # [Note: the noise floor]
     verdict, extra = {}, {}
     if default in ratios:
         thp = default + "-thp"  # plain tensors from torch's allocator with THP_MEM_ALLOC_ENABLE=1 (docs/io.md)
@@ -543,13 +536,14 @@ def main() -> int:
                 if v is not None:
                     into[name] = {"ratio": v, "target": need, "met": v >= need}
                     print(f"  {name:42s} {v:6.2f}  {'met' if v >= need else 'MISSED'} (>= {need})")
-        rep = next((c for c in ratios if c.startswith("repeat/")), None)
         if rep:
             print(f"  noise floor ({rep[7:]} measured again in each round, / best raw): "
                   + ", ".join(f"{m} {v:.2f}" for m, v in ratios[rep].items()))
-    out = {"targets": verdict, "checks": extra, "noise_floor": next((v for c, v in ratios.items() if c.startswith("repeat/")), None), "ratio_to_deepspeed_aio": vs_ds, "paired_ratio_same_extents": paired, "size_bytes": size, "rounds": args.rounds, "raw_tools": sorted({c[0] for c in raw_cases}), "median_gbps": med,
-           "samples_gbps": samples, "best_raw_gbps": best_raw, "ratio_to_best_raw": ratios,
-           "native": native, "seconds": round(time.time() - t0, 1)}
+    out = {"targets": verdict, "checks": extra, "noise_floor": ratios.get(rep), "ratio_to_deepspeed_aio": vs_ds,
+           "paired_ratio_same_extents": paired, "size_bytes": size, "rounds": args.rounds,
+           "raw_tools": sorted({c[0] for c in raw_cases}), "median_gbps": med, "samples_gbps": samples,
+           "best_raw_gbps": best_raw, "ratio_to_best_raw": ratios, "native": native,
+           "seconds": round(time.time() - t0, 1)}
     print(json.dumps(out, indent=1, sort_keys=True))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

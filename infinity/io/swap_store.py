@@ -697,7 +697,7 @@ class SwapStore:
                     # The engine moves a staged request through its slots
                     # (native: of at most STAGE_BLOCK bytes) with at most
                     # queue_depth of them in flight: more would sit unused.
-                    slot = min(B, _round_up(rest), STAGE_BLOCK if self.backend != "python" else B)
+                    slot = min(B if self.backend == "python" else min(B, STAGE_BLOCK), _round_up(rest))
                     nslots = max(1, min(-(-rest // slot), self.queue_depth, self._stage_share // slot))
                     buf = self._stage(slot * nslots, handle)
                     handle._staging.append(buf)
