@@ -66,6 +66,26 @@ def test_crc_count_rule():
                 assert _lib().inf_io_crc_count(n, blk) == crc_count(n, blk), (n, blk)
 
 
+def test_stage_block_rule():
+    """Staged blocks: min(block, 1 MiB) for reads, min(block, 256 KiB) for
+    writes (native), whole blocks (Python); always a multiple of the checksum
+    chunk, so no chunk straddles a staged block."""
+    M = 1 << 20
+    for blk in (4096, 12288, 65536, 512 << 10, M, 3 * M + 4096, 8 * M):
+        assert PythonEngine(1, blk).stage_block(READ) == PythonEngine(1, blk).stage_block(WRITE) == blk
+        if native_available():
+            eng = NativeEngine("threads", 1, blk)
+            try:
+                assert eng.stage_block(READ) == min(blk, M) and eng.stage_block(WRITE) == min(blk, M // 4)
+                assert eng.stage_block(READ) % chunk_bytes(blk) == eng.stage_block(WRITE) % chunk_bytes(blk) == 0
+            finally:
+                eng.close()
+    if native_available():
+        from infinity.io.engine import _lib
+        assert _lib().inf_io_stage_block(7, M) == -errno.EINVAL
+        assert _lib().inf_io_stage_block(READ, M + 1) == -errno.EINVAL
+
+
 def engines():
     out = [("python", lambda blk: PythonEngine(4, blk))]
     if native_available():

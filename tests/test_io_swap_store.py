@@ -259,7 +259,8 @@ def test_checksum_corruption_detected(tmp_path, backend, where):
 def test_checksum_chunks_inside_large_blocks(tmp_path, backend):
     """4 MiB blocks hold sixteen 256 KiB checksum chunks: a flipped byte in
     the ninth is named by that chunk's offset, read into a pool buffer (direct)
-    or a plain tensor (staged in 256 KiB blocks), written either way."""
+    or a plain tensor (staged: 1 MiB blocks of four chunks on the native
+    engines), written either way."""
     with make_store(tmp_path, backend, block_size=4 * MiB, staging_bytes=8 * MiB, capacity_bytes=32 * MiB) as s:
         x = rand_bytes(6 * MiB + 123)
         pool = HostPool(8 * MiB)
@@ -309,19 +310,21 @@ def test_staged_and_direct_writes_store_the_same_checksums(tmp_path, backend):
 
 def test_staging_held_to_queue_depth_slots(tmp_path, backend):
     """A staged request holds at most queue_depth slots of staging memory
-    (slots of min(block, 256 KiB) bytes on the native engines), however large
-    it is: the engine keeps no more than that in flight."""
+    (on the native engines slots of min(block, 256 KiB) bytes for writes and
+    min(block, 1 MiB) for reads; whole blocks on the Python engine), however
+    large it is: the engine keeps no more than that in flight."""
     native = backend != "python"
-    block = 512 * 1024
+    block = 2 * MiB
     with make_store(tmp_path, backend, block_size=block, queue_depth=3, staging_bytes=16 * MiB,
                     capacity_bytes=32 * MiB) as s:
         x = rand_bytes(12 * MiB + 5, seed=9)
         h = s.write("k", unaligned(x))
-        slot = min(block, 256 * 1024) if native else block
-        assert [b.capacity for b in h._staging] == [3 * slot]
+        assert [b.capacity for b in h._staging] == [3 * (256 * 1024 if native else block)]
         h.wait()
-        y = torch.empty_like(x)
-        s.read("k", y).wait()
+        y = unaligned(torch.zeros_like(x))
+        h = s.read("k", y)
+        assert [b.capacity for b in h._staging] == [3 * (MiB if native else block)]
+        h.wait()
         assert torch.equal(x, y)
 
 

@@ -65,6 +65,8 @@ def _lib() -> ctypes.CDLL:
             lib.inf_io_done.argtypes = [c.c_void_p, c.c_int64]
             lib.inf_io_set_fault.restype = c.c_int32
             lib.inf_io_set_fault.argtypes = [c.c_void_p, c.c_int32, c.c_int64, c.c_int32]
+            lib.inf_io_stage_block.restype = c.c_int64
+            lib.inf_io_stage_block.argtypes = [c.c_int32, c.c_int64]
             lib.inf_io_crc_count.restype = c.c_int64
             lib.inf_io_crc_count.argtypes = [c.c_int64, c.c_int64]
             lib.inf_crc32c.restype = c.c_uint32
@@ -94,14 +96,16 @@ def crc32c(data_ptr: int, nbytes: int, crc: int = 0) -> int:
     return int(_lib().inf_crc32c(crc, data_ptr, nbytes))
 
 
-STAGE_BLOCK = 256 << 10  # bytes: the native engine's largest staged block (kStageBlock)
+CHUNK_MAX = 256 << 10  # bytes: the largest checksum chunk (kStageBlock in native/src/io_engine.cpp)
 
 
 def chunk_bytes(block_size: int) -> int:
     """Bytes per checksum chunk of an engine with this block size: the largest
     power of two dividing both it and 256 KiB (``chunk_bytes_for`` in
-    native/src/io_engine.cpp), so a chunk never straddles a block."""
-    c = STAGE_BLOCK
+    native/src/io_engine.cpp), so a chunk never straddles a block. Part of the
+    store's format (every engine must agree), hence a constant here, checked
+    against the native rule by the tests."""
+    c = CHUNK_MAX
     while block_size % c:
         c //= 2
     return c
@@ -172,6 +176,10 @@ class NativeEngine:
 
     def unregister(self, file_id: int) -> None:
         self._lib.inf_io_unregister(self._h, file_id)
+
+    def stage_block(self, op: int) -> int:
+        """Bytes per block (and per bounce slot) of a staged request of ``op``."""
+        return int(self._lib.inf_io_stage_block(op, self.block_size))
 
     def submit(self, op: int, file_id: int, offset: int, buf_ptr: int, nbytes: int,
                bounce_ptr: int = 0, bounce_bytes: int = 0, crcs=None, verify: bool = False) -> int:

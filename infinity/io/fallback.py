@@ -102,6 +102,10 @@ class PythonEngine:
     def checksum(self, ptr: int, nbytes: int) -> int:
         return self._crc(ptr, nbytes)
 
+    def stage_block(self, op: int) -> int:
+        """Bytes per block (and per bounce slot) of a staged request: whole blocks here."""
+        return self.block_size
+
     def submit(self, op: int, file_id: int, offset: int, buf_ptr: int, nbytes: int,
                bounce_ptr: int = 0, bounce_bytes: int = 0, crcs=None, verify: bool = False) -> int:
         if op not in (READ, WRITE) or nbytes < 0 or offset < 0 or offset % ALIGN:

@@ -37,7 +37,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Union
 
 import torch
 
-from .engine import ALIGN, READ, STAGE_BLOCK, WRITE, NativeEngine, crc_count, native_available
+from .engine import ALIGN, READ, WRITE, NativeEngine, crc_count, native_available
 from .errors import PoolExhausted, StoreLockedError, SwapFullError, SwapIOError
 from .extent_allocator import ExtentAllocator
 from .fallback import PythonEngine
@@ -309,7 +309,7 @@ class SwapStore:
             fewer syscalls; 1-8 MiB reach the disk's bandwidth (docs/io.md).
         queue_depth: blocks in flight over all transfers of this store
             (staged transfers, of tensors not 4 KiB-aligned, use blocks of at
-            most 256 KiB).
+            most 256 KiB for writes and 1 MiB for reads).
         checksum: keep a CRC32C per checksum chunk (256 KiB for 1-16 MiB
             blocks; docs/io.md) and per unaligned tail of each write, and
             verify it on every read (:class:`ChecksumError`).
@@ -694,10 +694,10 @@ class SwapStore:
                     handle._tickets.append(eng.submit(op, fid, piece.offset, ptr, body, 0, 0, body_arr, verify))
                 rest = n - body
                 if rest:
-                    # The engine moves a staged request through its slots
-                    # (native: of at most STAGE_BLOCK bytes) with at most
-                    # queue_depth of them in flight: more would sit unused.
-                    slot = min(B if self.backend == "python" else min(B, STAGE_BLOCK), _round_up(rest))
+                    # The engine moves a staged request through slots of
+                    # stage_block(op) bytes with at most queue_depth of them
+                    # in flight: more would sit unused.
+                    slot = min(eng.stage_block(op), _round_up(rest))
                     nslots = max(1, min(-(-rest // slot), self.queue_depth, self._stage_share // slot))
                     buf = self._stage(slot * nslots, handle)
                     handle._staging.append(buf)

@@ -17,7 +17,7 @@
  * round_up(n, 4096) bytes to or from the file. In direct mode (bounce == NULL)
  * `buf` must be 4 KiB-aligned and hold round_up(n, 4096) bytes. In bounce
  * mode `buf` may have any alignment and holds exactly n bytes: it moves in
- * blocks of min(block_size, 256 KiB), each staged through a slot of the (4 KiB-
+ * blocks of inf_io_stage_block() bytes, each staged through a slot of the (4 KiB-
  * aligned) bounce area, so only n bytes of `buf` are read or written; padding
  * written to the file is zeros.
  *
@@ -86,7 +86,7 @@ INF_API int32_t inf_io_unregister(inf_io_engine* eng, int32_t file_id);
 /* Submits one request and returns its ticket (> 0) in *ticket. All pointers
  * (buf, bounce, crcs) must stay valid until inf_io_wait returns for it.
  * bounce/bounce_bytes: staging area for bounce mode (NULL/0 for direct mode);
- * bounce_bytes is a multiple of 4096, at least one slot of min(block, 256 KiB, padded n).
+ * bounce_bytes is a multiple of 4096, at least one slot of min(inf_io_stage_block(op, block), padded n).
  * verify: reads only; compare the CRCs against crcs[]. */
 INF_API int32_t inf_io_submit(inf_io_engine* eng, int32_t op, int32_t file_id, int64_t offset,
                               void* buf, int64_t nbytes, void* bounce, int64_t bounce_bytes,
@@ -107,6 +107,12 @@ INF_API int32_t inf_io_done(inf_io_engine* eng, int64_t ticket);
  * with err == 0, transfers only half its bytes in its first syscall (to test
  * the short-transfer path). nth <= 0 disables. */
 INF_API int32_t inf_io_set_fault(inf_io_engine* eng, int32_t op, int64_t nth, int32_t err);
+
+/* Bytes per block of a bounce-mode request of op (INF_IO_READ/WRITE) on an
+ * engine with this block size: min(block_size, 1 MiB) for reads and
+ * min(block_size, 256 KiB) for writes; a bounce area needs at least one such
+ * slot (or round_up(n, 4096) for a smaller request). -EINVAL on bad input. */
+INF_API int64_t inf_io_stage_block(int32_t op, int64_t block_size);
 
 /* Number of checksum chunks of a request of nbytes with this block size. */
 INF_API int64_t inf_io_crc_count(int64_t nbytes, int64_t block_size);
