@@ -72,7 +72,11 @@ def test_stage_block_rule():
     chunk, so no chunk straddles a staged block."""
     M = 1 << 20
     for blk in (4096, 12288, 65536, 512 << 10, M, 3 * M + 4096, 8 * M):
-        assert PythonEngine(1, blk).stage_block(READ) == PythonEngine(1, blk).stage_block(WRITE) == blk
+        py = PythonEngine(1, blk)
+        try:
+            assert py.stage_block(READ) == py.stage_block(WRITE) == blk
+        finally:
+            py.close()
         if native_available():
             eng = NativeEngine("threads", 1, blk)
             try:
