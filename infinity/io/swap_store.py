@@ -323,8 +323,9 @@ class SwapStore:
             Default: ``block_size``.
         staging_bytes: pinned staging memory (bytes) for tensors that are not
             4 KiB-aligned; at least two blocks per path are kept. One transfer
-            holds at most ``queue_depth`` slots of it (``min(block_size, 256
-            KiB)`` bytes each on the native engines).
+            holds at most ``queue_depth`` slots of it (on the native engines
+            ``min(block_size, 256 KiB)`` bytes each for writes and
+            ``min(block_size, 1 MiB)`` for reads).
         host_pool: take staging buffers from this :class:`HostPool` instead of
             creating one (then ``staging_bytes`` only bounds one transfer's share).
         grow_bytes: growth step of the files when ``capacity_bytes`` is None.
