@@ -7,6 +7,10 @@ hits every method alike:
 
   probe_fp32      native read-modify-write probe, AdamW's fp32 traffic (28 B/param)
   ours_fp32       infinity.CPUAdamW.step()
+  ours_fp32_sums  adamw_step_ that also takes the swap store's CRC32C sums of
+                  the updated buffers (the NVMe optimizer's call; its ratio to
+                  ours_fp32 is the price of those sums, paid here instead of by
+                  a second pass over DRAM in the write-back)
   torch_fused     torch.optim.AdamW(fused=True).step()
   torch_foreach   torch.optim.AdamW(foreach=True).step()   (first rounds only: slow)
   probe_mixed     probe with bf16 grad in + bf16 copy out (28 B/param)
@@ -122,6 +126,14 @@ class Setup:
         adamw_step_(v["p"], v[gname], v["m"], v["v"], step=self.step, lr=1e-7, beta1=0.9, beta2=0.999, eps=1e-8,
                     weight_decay=0.01, outs=v["ob"], num_threads=self.threads, validate=False)
 
+    def ours_sums(self) -> None:
+        """fp32 step that also takes the swap store's sums of the updated
+        buffers (what the NVMe optimizer runs; [Note: sums from the producer])."""
+        self.step += 1
+        v = self.views
+        adamw_step_(v["p"], v["g"], v["m"], v["v"], step=self.step, lr=1e-7, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.01, num_threads=self.threads, validate=False, sum_chunk_bytes=256 << 10)
+
     def torch_fused_copy(self) -> None:
         self.tfused.step()
         torch._foreach_copy_(self.views["ob"], self.views["p"])
@@ -130,6 +142,7 @@ class Setup:
         m = {
             "probe_fp32": lambda: self.probe("g", None),
             "ours_fp32": self.ours.step,
+            "ours_fp32_sums": self.ours_sums,
             "torch_fused": self.tfused.step,
             "probe_mixed": lambda: self.probe("gb", "ob"),
             "ours_mixed": lambda: self.ours_mixed("gb"),
@@ -144,7 +157,7 @@ class Setup:
         return m
 
 
-BYTES = {"probe_fp32": 28, "ours_fp32": 28, "torch_fused": 28, "torch_foreach": 28, "deepspeed": 28,
+BYTES = {"probe_fp32": 28, "ours_fp32": 28, "ours_fp32_sums": 28, "torch_fused": 28, "torch_foreach": 28, "deepspeed": 28,
          "probe_mixed": 28, "ours_mixed": 28, "torch_fused+copy": 34, "probe_f32g_bf16o": 30, "ours_f32g_bf16o": 30}
 
 
@@ -186,6 +199,7 @@ def bench(n: int, chunk: int | None, rounds: int, threads: int, foreach_rounds: 
         "ours_mixed/torch_fused+copy": ratio("ours_mixed", "torch_fused+copy"),
         "ours_f32g_bf16o/roofline": ratio("ours_f32g_bf16o", "probe_f32g_bf16o"),
         "torch_fused/roofline": ratio("torch_fused", "probe_fp32"),
+        "ours_fp32_sums/ours_fp32": ratio("ours_fp32_sums", "ours_fp32"),
     }
     if "torch_foreach" in times:
         res["ratios"]["ours_fp32/torch_foreach"] = statistics.median(

@@ -73,6 +73,46 @@ def test_thread_count_does_not_change_results(threads):
         assert torch.equal(x, y)
 
 
+def _key_sums(t, chunk):
+    """The swap store's chunk rule over ``t``'s bytes, by inf_crc32c."""
+    from infinity.io.engine import crc32c
+    n = t.numel() * t.element_size()
+    aligned, p = n // 4096 * 4096, t.data_ptr()
+    sums = [crc32c(p + o, min(o + chunk, aligned) - o) for o in range(0, aligned, chunk)]
+    return sums + ([crc32c(p + aligned, n - aligned)] if n > aligned else [])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("chunk", [4096, 256 * 1024])
+def test_step_with_sums_same_update_and_store_rule_sums(threads, chunk):
+    """sum_chunk_bytes: the update is bit-identical to the plain call (tiles
+    and the split by chunk change nothing), and the returned sums are the
+    store's rule over each updated buffer, for any mix of sizes and threads."""
+    sizes = [5, 70000, 1, 1024, 200000, 4097, 65536 * 4]
+    base = [_problem(n, torch.bfloat16, seed=i) for i, n in enumerate(sizes)]
+    ref = [[t.clone() for t in prob] for prob in base]
+    outs = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    ref_outs = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    kw = dict(step=2, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, num_threads=threads)
+    cols = lambda probs: [[x[k] for x in probs] for k in range(4)]
+    adamw_step_(*cols(ref), outs=ref_outs, **kw)
+    sums = adamw_step_(*cols(base), outs=outs, sum_chunk_bytes=chunk, **kw)
+    for a, b in zip(ref + [ref_outs], base + [outs]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert len(sums) == len(sizes)
+    for (p, _, m, v), got in zip(base, sums):
+        assert [list(s) for s in got] == [_key_sums(t, chunk) for t in (p, m, v)]
+
+
+def test_step_with_sums_bad_chunk_is_named():
+    p, g, m, v = _problem(10, torch.float32)
+    for bad in (1000, 4096 + 4096 // 2, 0):
+        with pytest.raises(ValueError, match=f"sum_chunk_bytes={bad}"):
+            adamw_step_([p], [g], [m], [v], step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                        weight_decay=0.0, sum_chunk_bytes=bad)
+
+
 def test_native_call_releases_gil():
     n = 1 << 24  # ~0.5 GB of traffic per call: tens of milliseconds
     p, g, m, v = _problem(n, torch.float32)

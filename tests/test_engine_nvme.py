@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import infinity
+from infinity.io import SwapStore, native_available
 from infinity.engine.tiers import BudgetError
 from engine_utils import batches, small_gpt, train_pair, train_steps, unit_bytes
 
@@ -78,6 +79,48 @@ def test_nvme_fp32_master_is_the_compute_copy_unless_frozen_or_bf16(tmp_path, ov
     m, _ = infinity.initialize(small_gpt(), bf)
     assert not any(infinity.api.engine_of(m).master_is_compute(u) for u in infinity.api.engine_of(m).units)
     infinity.api.close(m)
+
+
+@pytest.mark.skipif(not native_available(), reason="the update's sums need the native library")
+@pytest.mark.parametrize("overlap", ["step", "backward"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_nvme_update_passes_its_sums_to_the_store(tmp_path, monkeypatch, overlap, frozen):
+    """Every write-back of optimizer state carries the sums the update took
+    ([Note: sums from the producer]); they are the store's own rule (each
+    later read verifies them), and training still matches PyTorch. With
+    frozen parameters, units keep a separate fp32 master, written too."""
+    def make():
+        m = small_gpt()
+        if frozen:
+            m.blocks[3].proj.weight.requires_grad_(False)
+        return m
+
+    seen = []
+    write = SwapStore.write
+
+    def spy(self, key, tensor, crcs=None):
+        seen.append((key, crcs is not None))
+        return write(self, key, tensor, crcs)
+
+    monkeypatch.setattr(SwapStore, "write", spy)
+    model, _, _, _ = train_pair(make, cfg(tmp_path, overlap=overlap), steps=6)
+    # The first write of a master is the parameters' initial copy, not an update.
+    first = {k for k, _ in seen if k[1] == "master"}
+    state = []
+    for key, given in seen:
+        if key in first and key[1] == "master":
+            first.discard(key)
+        elif key[1] in ("master", "exp_avg", "exp_avg_sq"):
+            state.append((key[1], given))
+    assert state and all(given for _, given in state)
+    assert any(kind == "master" for kind, _ in state) == frozen
+    assert not any(given for key, given in seen if key[1] in ("compute", "grad"))
+    eng = infinity.api.engine_of(model)
+    for u in eng.units:  # verified reads of what was written with the update's sums
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            if (u.index, kind) in eng.nvme:
+                eng.nvme.read((u.index, kind), torch.empty(u.trainable_numel)).wait()
+    infinity.api.close(model)
 
 
 @pytest.mark.parametrize("overlap", ["step", "backward"])

@@ -4,6 +4,8 @@ Every test runs on the native io_uring engine, the native thread engine and the
 pure-Python fallback (the same contract, the same errors).
 """
 
+import array
+import ctypes
 import errno
 import os
 import stat
@@ -18,7 +20,7 @@ import torch
 
 from infinity.io import (ChecksumError, HostPool, StoreLockedError, SwapFullError, SwapIOError, SwapStore,
                          native_available)
-from infinity.io.engine import NativeEngine
+from infinity.io.engine import NativeEngine, crc32c
 
 MiB = 1 << 20
 KB4 = 4096
@@ -306,6 +308,64 @@ def test_staged_and_direct_writes_store_the_same_checksums(tmp_path, backend):
             buf.tensor.zero_()
             s.read(key, buf.tensor).wait()
             assert torch.equal(buf.tensor, x), key
+
+
+def key_sums(t, chunk):
+    """The store's chunk rule, computed here: CRC32C of each ``chunk`` bytes
+    from byte 0, cut at the 4 KiB floor of the size, then the unaligned tail."""
+    n = t.numel() * t.element_size()
+    aligned, p = n // KB4 * KB4, t.data_ptr()
+    sums = [crc32c(p + o, min(o + chunk, aligned) - o) for o in range(0, aligned, chunk)]
+    return array.array("I", sums + ([crc32c(p + aligned, n - aligned)] if n > aligned else []))
+
+
+@pytest.mark.skipif(not native_available(), reason="CRC32C needs the native library")
+@pytest.mark.parametrize("npaths", [1, 3])
+def test_producer_sums_are_stored_as_given(tmp_path, backend, npaths):
+    """Sums passed by the producer (write(crcs=)) are the ones kept: right
+    ones equal what the store computes itself and read back verified, from
+    pool buffers and unaligned memory, striped over paths (shares are whole
+    chunks); a wrong one is kept as given and fails the read at its chunk; a
+    wrong count is refused before anything is written."""
+    with make_store(tmp_path, backend, npaths, capacity_bytes=48 * MiB) as s, HostPool(8 * MiB) as pool:
+        C = s.sum_chunk_bytes
+        assert C == 64 * 1024
+        for n in (1, 4097, 3 * 65536 + 4096, 1 * MiB + 5, 5 * MiB - 1):
+            x = rand_bytes(n, seed=n)
+            with pool.acquire(n) as buf:
+                buf.tensor.copy_(x)
+                sums = key_sums(x, C)
+                for src in (buf.tensor, unaligned(x)):
+                    s.write(("own", n), src).wait()
+                    s.write(("given", n), src, crcs=(ctypes.c_uint32 * len(sums))(*sums)).wait()
+                    own = [c for p in s._index[("own", n)].pieces for c in p.crcs]
+                    given = [c for p in s._index[("given", n)].pieces for c in p.crcs]
+                    assert own == given == list(sums), (n, src is buf.tensor)
+                    y = torch.zeros_like(x)
+                    s.read(("given", n), y).wait()
+                    assert torch.equal(x, y)
+        # A wrong sum is kept as given: the read names its chunk.
+        x = rand_bytes(1 * MiB, seed=3)
+        bad = key_sums(x, C)
+        bad[5] ^= 1
+        s.write("bad", x, crcs=bad).wait()
+        piece = next(p for p in s._index["bad"].pieces if p.rel <= 5 * C < p.rel + p.nbytes)
+        with pytest.raises(ChecksumError) as ei:
+            s.read("bad", torch.empty_like(x)).wait()
+        assert f"at offset {piece.offset + 5 * C - piece.rel} " in str(ei.value)
+        with pytest.raises(ValueError, match=r"'short'.*15 crcs given.*16 checksum chunks of 65536 bytes"):
+            s.write("short", x, crcs=bad[:15])
+        assert "short" not in s
+
+
+def test_producer_sums_ignored_without_checksums(tmp_path, backend):
+    with make_store(tmp_path, backend, checksum=False) as s:
+        assert s.sum_chunk_bytes is None
+        x = rand_bytes(10_000)
+        s.write("k", x, crcs=[0, 0, 0]).wait()
+        y = torch.empty_like(x)
+        s.read("k", y).wait()
+        assert torch.equal(x, y)
 
 
 def test_staging_held_to_queue_depth_slots(tmp_path, backend):

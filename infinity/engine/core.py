@@ -1044,10 +1044,11 @@ class Engine:
         if self.opt_nvme:
             kinds = ("master", "exp_avg", "exp_avg_sq")[1 if self.master_is_compute(u) else 0:]
             for kind, buf in zip(kinds, u.opt_bufs):
-                h = self.nvme.write(swap_key(u.index, kind), getattr(u, kind))
+                h = self.nvme.write(swap_key(u.index, kind), getattr(u, kind), u.opt_sums.get(kind))
                 self.defer_release(h, buf)
                 setattr(u, kind, None)
             u.opt_bufs = []
+            u.opt_sums = {}
             u.master = None
             u.moments_fresh = False
         if self.master_is_compute(u):

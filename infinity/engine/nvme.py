@@ -54,15 +54,21 @@ class NvmeTier:
         self.peak_bytes = 0
         self._sizes: dict = {}
 
-    def write(self, k: Hashable, t: torch.Tensor) -> IOHandle:
-        """Starts writing ``t`` (a contiguous CPU tensor, unchanged until the handle completes)."""
+    @property
+    def sum_chunk_bytes(self):
+        """Chunk of the sums a producer may pass to :meth:`write` (None: none taken)."""
+        return self.store.sum_chunk_bytes
+
+    def write(self, k: Hashable, t: torch.Tensor, crcs=None) -> IOHandle:
+        """Starts writing ``t`` (a contiguous CPU tensor, unchanged until the handle completes);
+        ``crcs``: its sums, from the producer (:meth:`SwapStore.write <infinity.io.SwapStore.write>`)."""
         n = t.numel() * t.element_size()
         if k not in self._sizes:
             self._sizes[k] = n
             self.used_bytes += n
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         self.stats.moved("nvme_write", n)
-        return self.store.write(k, t)
+        return self.store.write(k, t, crcs)
 
     def read(self, k: Hashable, out: torch.Tensor) -> IOHandle:
         """Starts reading key ``k`` into ``out`` (exactly its byte size)."""

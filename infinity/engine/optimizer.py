@@ -430,7 +430,17 @@ class InfinityOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         slots = u.layout.trainable_slots
         runs = self._runs(u, written, key=lambda s: (s.group, s.step))
+        eng = self.engine
+        # NVMe optimizer state: when one call updates the whole buffers, it
+        # also takes their sums for the write-back ([Note: sums from the
+        # producer] in native/src/adam.cpp). Padding is zero in every buffer
+        # and stays zero under the update, so the call may span all of it.
+        chunk = eng.nvme.sum_chunk_bytes if eng.opt_nvme and u.master.device.type == "cpu" else None
+        whole = chunk is not None and len(runs) == 1 and all(written)
+        u.opt_sums = {}
         for (gi, step), global_ranges in runs.items():
+            if whole:
+                global_ranges = [(0, u.trainable_numel)]
             g = self.param_groups[gi]
             beta1, beta2 = g["betas"]
             # ZeRO: only the part inside the own shard; state buffers are shard-local.
@@ -451,10 +461,14 @@ class InfinityOptimizer(torch.optim.Optimizer):
             if u.master.device.type == "cuda":
                 self._device_step(ps, gs, ms, vs, step + 1, g, grad_scale)
             else:
-                adamw_step_(ps, gs, ms, vs, step=step + 1, lr=float(g["lr"]), beta1=float(beta1),
-                            beta2=float(beta2), eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
-                            adamw_mode=g.get("adamw_mode", True), grad_scale=grad_scale, outs=outs,
-                            num_threads=self._num_threads, validate=False)
+                sums = whole and len(st) == 1 and st[0] == (0, u.master.numel())
+                got = adamw_step_(ps, gs, ms, vs, step=step + 1, lr=float(g["lr"]), beta1=float(beta1),
+                                  beta2=float(beta2), eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
+                                  adamw_mode=g.get("adamw_mode", True), grad_scale=grad_scale, outs=outs,
+                                  num_threads=self._num_threads, validate=False,
+                                  sum_chunk_bytes=chunk if sums else None)
+                if got:
+                    u.opt_sums = dict(zip(("master", "exp_avg", "exp_avg_sq"), got[0]))
         for ti, s in enumerate(slots):
             if written[ti]:
                 s.step += 1

@@ -128,6 +128,7 @@ class Unit:
         self.grad_claimed = False       # an update during backward owns the gradient buffer
         self.moments_fresh = False      # NVMe moments not written yet: they are zero
         self.opt_bufs: list = []
+        self.opt_sums: dict = {}        # kind -> CRC32C sums the update took (SwapStore.write(crcs=))
         self.opt_pending = None         # reads of an early opt_load (NVMe optimizer state)
         self.grad_shard = None          # ZeRO: the own shard of the summed gradients
         self.grad_reduced = False       # ZeRO: grad_shard holds this step's reduced gradients

@@ -11,6 +11,7 @@ blocks only the calling thread.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno as _errno
 import threading
@@ -19,7 +20,7 @@ from typing import Optional
 from .. import native
 from .errors import ChecksumError, SwapIOError, parse_fault_spec
 
-__all__ = ["NativeEngine", "native_available", "crc32c", "crc_count", "READ", "WRITE", "ALIGN"]
+__all__ = ["NativeEngine", "native_available", "crc32c", "crc_count", "key_sums", "READ", "WRITE", "ALIGN"]
 
 READ, WRITE = 0, 1
 ALIGN = 4096
@@ -122,6 +123,18 @@ def crc_count(nbytes: int, block_size: int) -> int:
     return -(-aligned // chunk) + (1 if nbytes > aligned else 0)
 
 
+def key_sums(data_ptr: int, nbytes: int, chunk: int) -> array.array:
+    """CRC32C sums of ``nbytes`` bytes at ``data_ptr`` by the store's chunk
+    rule: one per ``chunk`` bytes from byte 0, cut at the 4 KiB floor of the
+    size, plus one for an unaligned tail (:func:`crc_count` entries). For
+    producers that have no fused kernel (the AdamW step takes its own)."""
+    aligned = nbytes // ALIGN * ALIGN
+    out = array.array("I", (crc32c(data_ptr + o, min(o + chunk, aligned) - o) for o in range(0, aligned, chunk)))
+    if nbytes > aligned:
+        out.append(crc32c(data_ptr + aligned, nbytes - aligned))
+    return out
+
+
 def raise_for(code: int, msg: str, context: str = "") -> None:
     """Turn an engine return code and message into the matching exception."""
     prefix = f"{context}: " if context else ""
@@ -182,13 +195,15 @@ class NativeEngine:
         return int(self._lib.inf_io_stage_block(op, self.block_size))
 
     def submit(self, op: int, file_id: int, offset: int, buf_ptr: int, nbytes: int,
-               bounce_ptr: int = 0, bounce_bytes: int = 0, crcs=None, verify: bool = False) -> int:
+               bounce_ptr: int = 0, bounce_bytes: int = 0, crcs=None, crcs_in: bool = False) -> int:
         """Start one request; returns its ticket. See infinity_io.h for the
         meaning of direct and bounce mode and of the ``crcs`` array (a ctypes
-        ``c_uint32`` array of :func:`crc_count` entries, or None)."""
+        ``c_uint32`` array of :func:`crc_count` entries, or None). With
+        ``crcs_in`` the array is input: a read checks the data against it, a
+        write takes it as the data's sums (computed by the producer)."""
         ticket = ctypes.c_int64()
         rc = self._lib.inf_io_submit(self._h, op, file_id, offset, buf_ptr, nbytes, bounce_ptr or None,
-                                     bounce_bytes, crcs, 1 if verify else 0, ctypes.byref(ticket))
+                                     bounce_bytes, crcs, 1 if crcs_in else 0, ctypes.byref(ticket))
         if rc != 0:
             raise_for(rc, f"cannot submit {'write' if op == WRITE else 'read'} of {nbytes} bytes at offset "
                           f"{offset} (buffer 0x{buf_ptr:x}, bounce 0x{bounce_ptr or 0:x})")

@@ -27,12 +27,15 @@ def _view(ptr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
 
 class _Request:
-    def __init__(self, op, path, fd, offset, buf_ptr, nbytes, bounce_ptr, bounce_bytes, crcs, verify, block):
+    def __init__(self, op, path, fd, offset, buf_ptr, nbytes, bounce_ptr, bounce_bytes, crcs, crcs_in, block):
         self.op, self.path, self.fd, self.offset = op, path, fd, offset
         self.buf, self.nbytes = buf_ptr, nbytes
         self.padded = -(-nbytes // ALIGN) * ALIGN
         self.aligned = nbytes // ALIGN * ALIGN
-        self.crcs, self.verify = crcs, verify and crcs is not None
+        self.crcs = crcs
+        self.verify = crcs_in and crcs is not None and op == READ
+        # A write's sums came from the producer: nothing to compute.
+        self.given = crcs_in and crcs is not None and op == WRITE
         self.nblocks = -(-self.padded // block)
         self.bounce = bounce_ptr
         self.slot_bytes = min(block, max(self.padded, ALIGN))
@@ -107,7 +110,8 @@ class PythonEngine:
         return self.block_size
 
     def submit(self, op: int, file_id: int, offset: int, buf_ptr: int, nbytes: int,
-               bounce_ptr: int = 0, bounce_bytes: int = 0, crcs=None, verify: bool = False) -> int:
+               bounce_ptr: int = 0, bounce_bytes: int = 0, crcs=None, crcs_in: bool = False) -> int:
+        """As :meth:`NativeEngine.submit <infinity.io.engine.NativeEngine.submit>`."""
         if op not in (READ, WRITE) or nbytes < 0 or offset < 0 or offset % ALIGN:
             raise_for(-_errno.EINVAL, f"bad request: op={op} offset={offset} nbytes={nbytes}")
         if bounce_ptr and bounce_ptr % ALIGN:
@@ -118,7 +122,7 @@ class PythonEngine:
             if file_id not in self._files:
                 raise_for(-_errno.EBADF, f"unknown file id {file_id}")
             fd, path = self._files[file_id]
-            r = _Request(op, path, fd, offset, buf_ptr, nbytes, bounce_ptr, bounce_bytes, crcs, verify,
+            r = _Request(op, path, fd, offset, buf_ptr, nbytes, bounce_ptr, bounce_bytes, crcs, crcs_in,
                          self.block_size)
             ticket = self._next_ticket
             self._next_ticket += 1
@@ -234,7 +238,7 @@ class PythonEngine:
         return 0, ""
 
     def _post(self, r: _Request, rel: int, mem: int, length: int):
-        if r.crcs is None:
+        if r.crcs is None or r.given:
             return 0, ""
         cb = chunk_bytes(self.block_size)  # divides the block size: no chunk straddles blocks
         chunks = [(start // cb, start, min(start + cb, rel + length, r.aligned))

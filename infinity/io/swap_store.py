@@ -37,7 +37,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Union
 
 import torch
 
-from .engine import ALIGN, READ, WRITE, NativeEngine, crc_count, native_available
+from .engine import ALIGN, READ, WRITE, NativeEngine, chunk_bytes, crc_count, native_available
 from .errors import PoolExhausted, StoreLockedError, SwapFullError, SwapIOError
 from .extent_allocator import ExtentAllocator
 from .fallback import PythonEngine
@@ -47,6 +47,21 @@ __all__ = ["SwapStore", "IOHandle"]
 
 LOCK_NAME = ".infinity-swap.lock"
 MiB = 1 << 20
+
+
+def _as_u32(values) -> array.array:
+    """``values`` (an array('I'), a ctypes/numpy uint32 array, a list) as an array('I')."""
+    if isinstance(values, array.array) and values.typecode == "I":
+        return values
+    out = array.array("I")
+    try:
+        mv = memoryview(values)
+    except TypeError:
+        return array.array("I", values)
+    if mv.itemsize != out.itemsize:
+        raise TypeError(f"crcs: expected 32-bit unsigned sums, got items of {mv.itemsize} bytes")
+    out.frombytes(mv.cast("B"))
+    return out
 
 
 def _round_up(n: int) -> int:
@@ -423,7 +438,14 @@ class SwapStore:
         e = self._entry(key)
         return e.nbytes, e.dtype, e.shape
 
-    def write(self, key: Hashable, tensor: torch.Tensor) -> IOHandle:
+    @property
+    def sum_chunk_bytes(self) -> Optional[int]:
+        """Bytes per checksum chunk when producers may pass the sums of what
+        they write (``write(..., crcs=)``): the store keeps CRC32C. None when
+        it keeps no checksums or zlib's CRC-32 (no native library)."""
+        return chunk_bytes(self.block_size) if self.checksum_name == "crc32c" else None
+
+    def write(self, key: Hashable, tensor: torch.Tensor, crcs=None) -> IOHandle:
         """Start writing ``tensor``'s bytes under ``key``; returns a handle to wait on.
 
         ``tensor`` is a CPU tensor; it must not be modified until the handle's
@@ -435,10 +457,31 @@ class SwapStore:
         or more from torch's allocator in a process started with
         ``THP_MEM_ALLOC_ENABLE=1``) goes to the disk without a copy; others are
         copied through staging buffers (docs/io.md, "Plain tensors").
+
+        ``crcs``: the CRC32C sums of the tensor's bytes, taken by whoever
+        produced them while they were in cache (the AdamW step does:
+        ``adamw_step_(..., sums=)``), so the store does not read the buffer a
+        second time for them (docs/io.md, "Sums from the producer"). One
+        uint32 per chunk of :attr:`sum_chunk_bytes` bytes from byte 0, cut
+        at the 4 KiB floor of the size, plus one for an unaligned tail
+        (:func:`~infinity.io.engine.crc_count` entries). Wrong sums are
+        stored as given and fail the key's next read with
+        :class:`ChecksumError`. Ignored by a store without checksums.
         """
         self._check_open()
         src = self._source(tensor, "write")
         n = src.numel() * src.element_size()
+        if crcs is not None and self.checksum:
+            if self.sum_chunk_bytes is None:
+                raise ValueError(f"write of key {key!r}: crcs given, but this store keeps "
+                                 f"{self.checksum_name} sums, not CRC32C")
+            need = crc_count(n, self.block_size)
+            crcs = _as_u32(crcs)
+            if len(crcs) != need:
+                raise ValueError(f"write of key {key!r}: {len(crcs)} crcs given; {n} bytes have {need} "
+                                 f"checksum chunks of {self.sum_chunk_bytes} bytes")
+        else:
+            crcs = None
         self._settle(key)
         with self._lock:
             old = self._index.pop(key, None)
@@ -474,7 +517,7 @@ class SwapStore:
 
         handle._on_done = on_done
         entry.pending.append(handle)
-        self._submit(handle, WRITE, entry, src.data_ptr(), arrays)
+        self._submit(handle, WRITE, entry, src.data_ptr(), arrays, crcs)
         return handle
 
     def read(self, key: Hashable, out: torch.Tensor) -> IOHandle:
@@ -610,7 +653,10 @@ class SwapStore:
         if n == 0:
             return []
         if k > 1 and n > self.stripe_bytes:
-            share = _round_up(-(-n // k))
+            # Shares are whole checksum chunks, so the sums of each piece are
+            # a slice of the key's (see write(crcs=)).
+            c = chunk_bytes(self.block_size)
+            share = -(-n // (k * c)) * c
             pieces, rel = [], 0
             for i in range(k):
                 ln = min(share, n - rel)
@@ -674,9 +720,14 @@ class SwapStore:
                     return self._pool.acquire(nbytes, block=True, timeout=600)
                 older._complete()
 
-    def _submit(self, handle: IOHandle, op: int, entry: _Entry, base_ptr: int, arrays: list) -> None:
+    def _submit(self, handle: IOHandle, op: int, entry: _Entry, base_ptr: int, arrays: list,
+                given=None) -> None:
+        """Submits ``entry``'s pieces; ``arrays`` receives each piece's checksum
+        arrays (body, tail). ``given``: a write's sums for the whole key, from
+        its producer."""
         eng = self._engine
         B = self.block_size
+        C = chunk_bytes(B)
         with self._lock:
             self._outstanding[id(handle)] = handle
         try:
@@ -686,13 +737,17 @@ class SwapStore:
                 n = piece.nbytes
                 body = n // ALIGN * ALIGN if ptr % ALIGN == 0 else 0
                 verify = op == READ and self.checksum
+                # Sums passed in: the stored ones (reads) or the producer's (writes).
+                sums = piece.crcs if verify else (
+                    given[piece.rel // C: piece.rel // C + crc_count(n, B)] if given is not None else None)
                 body_arr = tail_arr = None
                 if body:
                     if self.checksum:
                         cnt = crc_count(body, B)
-                        body_arr = ((ctypes.c_uint32 * cnt).from_buffer_copy(piece.crcs) if verify
+                        body_arr = ((ctypes.c_uint32 * cnt).from_buffer_copy(sums) if sums is not None
                                     else (ctypes.c_uint32 * cnt)())
-                    handle._tickets.append(eng.submit(op, fid, piece.offset, ptr, body, 0, 0, body_arr, verify))
+                    handle._tickets.append(eng.submit(op, fid, piece.offset, ptr, body, 0, 0, body_arr,
+                                                      sums is not None))
                 rest = n - body
                 if rest:
                     # The engine moves a staged request through slots of
@@ -704,10 +759,10 @@ class SwapStore:
                     handle._staging.append(buf)
                     if self.checksum:
                         cnt = crc_count(rest, B)
-                        tail_arr = ((ctypes.c_uint32 * cnt).from_buffer_copy(piece.crcs, 4 * (len(piece.crcs) - cnt))
-                                    if verify else (ctypes.c_uint32 * cnt)())
+                        tail_arr = ((ctypes.c_uint32 * cnt).from_buffer_copy(sums, 4 * (len(sums) - cnt))
+                                    if sums is not None else (ctypes.c_uint32 * cnt)())
                     handle._tickets.append(eng.submit(op, fid, piece.offset + body, ptr + body, rest, buf.ptr,
-                                                      buf.capacity, tail_arr, verify))
+                                                      buf.capacity, tail_arr, sums is not None))
                 handle._keep.append((body_arr, tail_arr))
                 arrays.append((body_arr, tail_arr))
         except BaseException as exc:

@@ -11,9 +11,10 @@ built; otherwise :func:`_fallback_step` computes the same maths with torch ops.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,7 +74,8 @@ def adamw_step_(
     outs: Optional[Sequence[torch.Tensor]] = None,
     num_threads: Optional[int] = None,
     validate: bool = True,
-) -> None:
+    sum_chunk_bytes: Optional[int] = None,
+) -> Optional[List[Tuple[array.array, array.array, array.array]]]:
     """One AdamW (``adamw_mode=True``) or Adam-with-L2 step, in place.
 
     Args:
@@ -88,6 +90,13 @@ def adamw_step_(
         num_threads: threads for this call (default :func:`native.default_num_threads`).
         validate: check devices, dtypes, contiguity and sizes (the offload
             engine passes False for buffers it allocated itself).
+        sum_chunk_bytes: also take the CRC32C sums of the updated ``params``,
+            ``exp_avgs`` and ``exp_avg_sqs``, a tile at a time while it is in
+            cache, in the swap store's chunks of this many bytes (a power of
+            two >= 4096; :attr:`SwapStore.sum_chunk_bytes
+            <infinity.io.SwapStore.sum_chunk_bytes>`), and return them: per
+            tensor, the three ``array('I')`` to pass as ``SwapStore.write(...,
+            crcs=)``. Needs the native library.
 
     All tensors of index i must have the same number of elements. Many tensors
     cost one native call: the work is split across threads by element count.
@@ -98,7 +107,7 @@ def adamw_step_(
                          f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}"
                          + (f", outs {len(outs)}" if outs is not None else ""))
     if n == 0:
-        return
+        return [] if sum_chunk_bytes is not None else None
     gdtype = grads[0].dtype
     odtype = outs[0].dtype if outs is not None else None
     if validate:
@@ -115,16 +124,29 @@ def adamw_step_(
                 _check_buffer(outs[i], "outs", i, numel, (odtype,) if odtype in _OUT_DT else tuple(_OUT_DT))
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
+    if sum_chunk_bytes is not None:
+        if not native.available():
+            raise RuntimeError("adamw_step_(sum_chunk_bytes=...): the sums need infinity's native library, "
+                               "which is not loaded")
+        if sum_chunk_bytes < 4096 or sum_chunk_bytes & (sum_chunk_bytes - 1):
+            raise ValueError(f"sum_chunk_bytes={sum_chunk_bytes}: must be a power of two >= 4096")
     if native.available():
-        _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
-                     weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads)
+        return _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
+                            weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads, sum_chunk_bytes)
     else:
         _fallback_step(params, grads, exp_avgs, exp_avg_sqs, outs, lr, beta1, beta2, eps, weight_decay,
                        bc1, bc2, grad_scale, adamw_mode)
 
 
+def _sum_count(numel: int, chunk: int) -> int:
+    """Checksum chunks of ``numel`` fp32 elements (the store's rule: crc_count)."""
+    n = 4 * numel
+    aligned = n // 4096 * 4096
+    return -(-aligned // chunk) + (1 if n > aligned else 0)
+
+
 def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
-                 weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads) -> None:
+                 weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads, sum_chunk_bytes=None):
     n = len(params)
     ptrs = [t.data_ptr() for t in params]
     ptrs += [t.data_ptr() for t in grads]
@@ -135,11 +157,21 @@ def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr,
     numel_arr = (ctypes.c_int64 * n)(*[t.numel() for t in params])
     hp = native.AdamHParams(lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, int(bool(adamw_mode)),
                             num_threads or native.default_num_threads())
-    rc = native.lib().inf_adam_step(native.selected_isa(), n, ptr_arr, numel_arr, _GRAD_DT[gdtype],
-                                    _OUT_DT[odtype] if odtype is not None else native.DT_NONE, ctypes.byref(hp))
+    odt = _OUT_DT[odtype] if odtype is not None else native.DT_NONE
+    if sum_chunk_bytes is None:
+        rc = native.lib().inf_adam_step(native.selected_isa(), n, ptr_arr, numel_arr, _GRAD_DT[gdtype], odt,
+                                        ctypes.byref(hp))
+        sums = None
+    else:
+        sums = [tuple(array.array("I", bytes(4 * _sum_count(t.numel(), sum_chunk_bytes))) for _ in range(3))
+                for t in params]
+        sum_arr = (ctypes.c_int64 * (3 * n))(*[sums[i][k].buffer_info()[0] for k in range(3) for i in range(n)])
+        rc = native.lib().inf_adam_step_sums(native.selected_isa(), n, ptr_arr, numel_arr, _GRAD_DT[gdtype], odt,
+                                             ctypes.byref(hp), sum_chunk_bytes, sum_arr)
     if rc != 0:
         raise RuntimeError(f"inf_adam_step failed with code {rc} "
                            f"({'bad argument' if rc == native.E_INVAL else 'ISA unavailable'})")
+    return sums
 
 
 def _fallback_step(params, grads, exp_avgs, exp_avg_sqs, outs, lr, beta1, beta2, eps, weight_decay,

@@ -87,10 +87,15 @@ INF_API int32_t inf_io_unregister(inf_io_engine* eng, int32_t file_id);
  * (buf, bounce, crcs) must stay valid until inf_io_wait returns for it.
  * bounce/bounce_bytes: staging area for bounce mode (NULL/0 for direct mode);
  * bounce_bytes is a multiple of 4096, at least one slot of min(inf_io_stage_block(op, block), padded n).
- * verify: reads only; compare the CRCs against crcs[]. */
+ * crcs: NULL (no checksums) or inf_io_crc_count(nbytes, block) CRC32Cs, one per
+ * checksum chunk. crcs_in == 0: the engine computes them and stores them in
+ * crcs (writes; reads left unverified). crcs_in != 0: crcs is input; a read
+ * checks the data against it (INF_IO_E_CHECKSUM on a mismatch), a write takes
+ * it as the data's sums, computed by whoever produced the bytes, and does not
+ * read the buffer for them ([Note: sums from the producer]). */
 INF_API int32_t inf_io_submit(inf_io_engine* eng, int32_t op, int32_t file_id, int64_t offset,
                               void* buf, int64_t nbytes, void* bounce, int64_t bounce_bytes,
-                              uint32_t* crcs, int32_t verify, int64_t* ticket);
+                              uint32_t* crcs, int32_t crcs_in, int64_t* ticket);
 
 /* Waits for a ticket. timeout_ms < 0 waits forever. Returns 0 on success,
  * INF_IO_E_TIMEOUT if still pending (the ticket stays valid), otherwise the

@@ -74,6 +74,18 @@ INF_API int32_t inf_adam_step(int32_t isa, int64_t n_tensors, const int64_t* ptr
                               const int64_t* numels, int32_t grad_dtype, int32_t out_dtype,
                               const inf_adam_hparams* hp);
 
+/* inf_adam_step, and the CRC32C of every updated fp32 buffer, taken a tile at
+ * a time while the tile is in cache ([Note: sums from the producer] in
+ * adam.cpp). sums holds 3*n_tensors addresses of uint32 arrays (params[n],
+ * exp_avg[n], exp_avg_sq[n]); array i receives one CRC32C per checksum chunk
+ * of that buffer's numels[i]*4 bytes, by the swap store's rule: chunks of
+ * chunk_bytes from byte 0, cut at the 4 KiB floor of the size, then one for
+ * the unaligned tail (inf_io_crc_count entries). chunk_bytes: a power of two,
+ * >= 4096. Work is split over threads by chunk. */
+INF_API int32_t inf_adam_step_sums(int32_t isa, int64_t n_tensors, const int64_t* ptrs,
+                                   const int64_t* numels, int32_t grad_dtype, int32_t out_dtype,
+                                   const inf_adam_hparams* hp, int64_t chunk_bytes, const int64_t* sums);
+
 /* Memory-bandwidth probe with exactly the access pattern of inf_adam_step
  * (same loads, in-place stores and copy-out, same threading and ISA), but
  * trivial arithmetic. Its time gives the Adam roofline of this machine.

@@ -80,7 +80,8 @@ struct Request {
   int64_t slot_bytes = 0;
   std::vector<int> free_slots;
   uint32_t* crcs = nullptr;
-  bool verify = false;
+  bool verify = false;     // a read checks crcs[]
+  bool given = false;      // a write's crcs[] came from the producer: nothing to compute
   int64_t block = 0;       // bytes per block: the engine's, or kStageBlock at most when staged
   int64_t nblocks = 0;
   int64_t next_block = 0;  // next block to dispatch
@@ -277,6 +278,7 @@ struct inf_io_engine {
         b->slot = -1;
         b->mem = r->buf + b->rel;
       }
+      b->crc_done = r->given;
       r->inflight++;
       inflight++;
       if (fault_nth > 0 && (fault_op < 0 || fault_op == r->op) && ++fault_count == fault_nth) {
@@ -397,7 +399,7 @@ struct inf_io_engine {
     if (r->op != INF_IO_WRITE || !r->bounce) return;
     const int64_t n = user_bytes(b);
     std::string unused;
-    walk(b, n, r->buf, r->crcs != nullptr, unused, [&](int64_t rel, int64_t k) {
+    walk(b, n, r->buf, r->crcs != nullptr && !b->crc_done, unused, [&](int64_t rel, int64_t k) {
       memcpy(b->mem + (rel - b->rel), r->buf + rel, static_cast<size_t>(k));
     });
     if (n < b->len) memset(b->mem + n, 0, static_cast<size_t>(b->len - n));
@@ -792,7 +794,7 @@ INF_API int64_t inf_io_stage_block(int32_t op, int64_t block_size) {
 
 INF_API int32_t inf_io_submit(inf_io_engine* eng, int32_t op, int32_t file_id, int64_t offset, void* buf,
                               int64_t nbytes, void* bounce, int64_t bounce_bytes, uint32_t* crcs,
-                              int32_t verify, int64_t* ticket) {
+                              int32_t crcs_in, int64_t* ticket) {
   if (!eng || !ticket) return INF_IO_E_UNKNOWN;
   if ((op != INF_IO_READ && op != INF_IO_WRITE) || nbytes < 0 || offset < 0 || offset % kAlign) return -EINVAL;
   if (nbytes > 0 && !buf) return -EINVAL;
@@ -804,7 +806,8 @@ INF_API int32_t inf_io_submit(inf_io_engine* eng, int32_t op, int32_t file_id, i
   r->padded = round_up(nbytes);
   r->aligned = round_down(nbytes);
   r->crcs = crcs;
-  r->verify = verify && crcs;
+  r->verify = crcs_in && crcs && op == INF_IO_READ;
+  r->given = crcs_in && crcs && op == INF_IO_WRITE;
   r->block = bounce ? stage_block_for(op, eng->block) : eng->block;
   r->nblocks = (r->padded + r->block - 1) / r->block;
   if (bounce) {
