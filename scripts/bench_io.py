@@ -132,7 +132,9 @@ def pyraw_run(path: str, rw: str, size: int, bs: int, depth: int, jobs: int = 1,
     """O_DIRECT thread pool of pread/pwrite, no checksums: the best case of
     the engine's own method, measured like fio. Its ``depth`` buffers are
     slices of ``mem`` (4 KiB-aligned, huge pages, at least ``depth * bs``
-    bytes): see [Note: warm memory] for why not fresh ones."""
+    bytes): see [Note: warm memory] for why not fresh ones. ``jobs`` is
+    fio_run's argument, taken so both share one call; the pool is always one
+    job of ``depth`` threads."""
     if mem is None or len(mem) < depth * bs:
         raise ValueError(f"pyraw_run needs {depth} x {bs} bytes of buffer memory")
     bufs = [mem[i * bs:(i + 1) * bs] for i in range(depth)]
