@@ -20,7 +20,7 @@ from typing import Optional
 from .. import native
 from .errors import ChecksumError, SwapIOError, parse_fault_spec
 
-__all__ = ["NativeEngine", "native_available", "crc32c", "crc_count", "key_sums", "READ", "WRITE", "ALIGN"]
+__all__ = ["NativeEngine", "native_available", "crc32c", "crc_count", "chunk_count", "key_sums", "READ", "WRITE", "ALIGN"]
 
 READ, WRITE = 0, 1
 ALIGN = 4096
@@ -112,21 +112,25 @@ def chunk_bytes(block_size: int) -> int:
     return c
 
 
-def crc_count(nbytes: int, block_size: int) -> int:
-    """Checksum chunks of a request of ``nbytes`` bytes: one per
-    ``chunk_bytes(block_size)`` bytes of the 4 KiB-aligned body, plus one for
-    an unaligned tail."""
+def chunk_count(nbytes: int, chunk: int) -> int:
+    """Checksum chunks of ``nbytes`` bytes in chunks of ``chunk`` bytes: one per
+    ``chunk`` bytes of the 4 KiB-aligned body, plus one for an unaligned tail."""
     if nbytes <= 0:
         return 0
-    chunk = chunk_bytes(block_size)
     aligned = nbytes // ALIGN * ALIGN
     return -(-aligned // chunk) + (1 if nbytes > aligned else 0)
+
+
+def crc_count(nbytes: int, block_size: int) -> int:
+    """Checksum chunks of a request of ``nbytes`` bytes on an engine with this
+    block size (chunks of ``chunk_bytes(block_size)``)."""
+    return chunk_count(nbytes, chunk_bytes(block_size))
 
 
 def key_sums(data_ptr: int, nbytes: int, chunk: int) -> array.array:
     """CRC32C sums of ``nbytes`` bytes at ``data_ptr`` by the store's chunk
     rule: one per ``chunk`` bytes from byte 0, cut at the 4 KiB floor of the
-    size, plus one for an unaligned tail (:func:`crc_count` entries). For
+    size, plus one for an unaligned tail (:func:`chunk_count` entries). For
     producers that have no fused kernel (the AdamW step takes its own)."""
     aligned = nbytes // ALIGN * ALIGN
     out = array.array("I", (crc32c(data_ptr + o, min(o + chunk, aligned) - o) for o in range(0, aligned, chunk)))

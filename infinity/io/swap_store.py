@@ -460,7 +460,7 @@ class SwapStore:
 
         ``crcs``: the CRC32C sums of the tensor's bytes, taken by whoever
         produced them while they were in cache (the AdamW step does:
-        ``adamw_step_(..., sums=)``), so the store does not read the buffer a
+        ``adamw_step_(..., sum_chunk_bytes=)``), so the store does not read the buffer a
         second time for them (docs/io.md, "Sums from the producer"). One
         uint32 per chunk of :attr:`sum_chunk_bytes` bytes from byte 0, cut
         at the 4 KiB floor of the size, plus one for an unaligned tail

@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import native
+from ..io.engine import chunk_count
 
 __all__ = ["adamw_step_", "check_hyperparameters"]
 
@@ -138,13 +139,6 @@ def adamw_step_(
                        bc1, bc2, grad_scale, adamw_mode)
 
 
-def _sum_count(numel: int, chunk: int) -> int:
-    """Checksum chunks of ``numel`` fp32 elements (the store's rule: crc_count)."""
-    n = 4 * numel
-    aligned = n // 4096 * 4096
-    return -(-aligned // chunk) + (1 if n > aligned else 0)
-
-
 def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
                  weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads, sum_chunk_bytes=None):
     n = len(params)
@@ -163,7 +157,7 @@ def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr,
                                         ctypes.byref(hp))
         sums = None
     else:
-        sums = [tuple(array.array("I", bytes(4 * _sum_count(t.numel(), sum_chunk_bytes))) for _ in range(3))
+        sums = [tuple(array.array("I", bytes(4 * chunk_count(4 * t.numel(), sum_chunk_bytes))) for _ in range(3))
                 for t in params]
         sum_arr = (ctypes.c_int64 * (3 * n))(*[sums[i][k].buffer_info()[0] for k in range(3) for i in range(n)])
         rc = native.lib().inf_adam_step_sums(native.selected_isa(), n, ptr_arr, numel_arr, _GRAD_DT[gdtype], odt,

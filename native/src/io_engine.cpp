@@ -82,7 +82,7 @@ struct Request {
   uint32_t* crcs = nullptr;
   bool verify = false;     // a read checks crcs[]
   bool given = false;      // a write's crcs[] came from the producer: nothing to compute
-  int64_t block = 0;       // bytes per block: the engine's, or kStageBlock at most when staged
+  int64_t block = 0;       // bytes per block: the engine's, or stage_block_for(op, it) when staged
   int64_t nblocks = 0;
   int64_t next_block = 0;  // next block to dispatch
   int inflight = 0;
@@ -101,7 +101,7 @@ struct Block {
   int64_t done_bytes = 0;
   bool fault_short = false;
   int fault_err = 0;
-  bool crc_done = false;   // write checksums already taken (while the block was in flight)
+  bool crc_done = false;   // write checksums taken (while the block was in flight) or given
   struct iovec iov;        // io_uring READV/WRITEV argument; must outlive the SQE
 };
 
