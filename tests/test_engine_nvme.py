@@ -88,9 +88,13 @@ def test_nvme_update_passes_its_sums_to_the_store(tmp_path, monkeypatch, overlap
     """Every write-back of optimizer state carries the sums the update took
     ([Note: sums from the producer]); they are the store's own rule (each
     later read verifies them), and training still matches PyTorch. With
-    frozen parameters, units keep a separate fp32 master, written too."""
+    frozen parameters, units keep a separate fp32 master, written too. The
+    host budget is too small to cache every compute copy: an updated copy
+    that is its unit's master ([Note: fp32 master aliasing]) is written on
+    eviction with the update's sums; the unit with a frozen parameter has a
+    separate master, and its compute copy is summed by the store."""
     def make():
-        m = small_gpt()
+        m = small_gpt(n_layer=16)
         if frozen:
             m.blocks[3].proj.weight.requires_grad_(False)
         return m
@@ -103,7 +107,7 @@ def test_nvme_update_passes_its_sums_to_the_store(tmp_path, monkeypatch, overlap
         return write(self, key, tensor, crcs)
 
     monkeypatch.setattr(SwapStore, "write", spy)
-    model, _, _, _ = train_pair(make, cfg(tmp_path, overlap=overlap), steps=6)
+    model, _, _, _ = train_pair(make, cfg(tmp_path, overlap=overlap, host_memory=16 * UB), steps=6)
     # The first write of a master is the parameters' initial copy, not an update.
     first = {k for k, _ in seen if k[1] == "master"}
     state = []
@@ -114,12 +118,19 @@ def test_nvme_update_passes_its_sums_to_the_store(tmp_path, monkeypatch, overlap
             state.append((key[1], given))
     assert state and all(given for _, given in state)
     assert any(kind == "master" for kind, _ in state) == frozen
-    assert not any(given for key, given in seen if key[1] in ("compute", "grad"))
+    assert not any(given for key, given in seen if key[1] == "grad")
     eng = infinity.api.engine_of(model)
+    aliased = {u.index for u in eng.units if eng.master_is_compute(u)}
+    assert len(aliased) == len(eng.units) - frozen
+    compute = [(key[0], given) for key, given in seen if key[1] == "compute"]
+    assert any(given for _, given in compute)  # evicted after an update
+    assert any(not given for _, given in compute)  # the initial copies
+    assert all(i in aliased for i, given in compute if given)
     for u in eng.units:  # verified reads of what was written with the update's sums
-        for kind in ("master", "exp_avg", "exp_avg_sq"):
+        for kind in ("master", "exp_avg", "exp_avg_sq", "compute"):
             if (u.index, kind) in eng.nvme:
-                eng.nvme.read((u.index, kind), torch.empty(u.trainable_numel)).wait()
+                n = u.compute_numel if kind == "compute" else u.trainable_numel
+                eng.nvme.read((u.index, kind), torch.empty(n)).wait()
     infinity.api.close(model)
 
 

@@ -439,7 +439,7 @@ class Engine:
                 if u.host_busy is not None:
                     u.host_busy.wait()
                 self.nvme.write(swap_key(u.index, "compute"), home).wait()
-                u.host_dirty = False
+                u.host_dirty, u.compute_sums = False, None
 
     # ------------------------------------------------------------------ residency
 
@@ -599,8 +599,8 @@ class Engine:
             # Write-back cache: a copy updated while cached reaches NVMe only
             # now, so a unit that stays cached costs no swap writes (nor their
             # checksums) step after step.
-            h = self.nvme.write(swap_key(best.index, "compute"), best.host_compute)
-            best.host_dirty = False
+            h = self.nvme.write(swap_key(best.index, "compute"), best.host_compute, best.compute_sums)
+            best.host_dirty, best.compute_sums = False, None
             if not wait:
                 best.host_write = h  # a read of this copy waits for it (_settle_write_back)
                 self._deferred.append((h, best.host_buf))
@@ -954,6 +954,7 @@ class Engine:
                 elif u.host_busy is not None and not u.host_busy.done():
                     handles.append(u.host_busy)  # a fetch still copies it to the device
                 u.host_locks += 1
+                u.compute_sums = None  # updated in place from here on
                 u.master = u.host_compute[:tn]
                 kinds = kinds[1:]
             for kind in kinds:
@@ -1034,15 +1035,21 @@ class Engine:
         the copy is dirty (reaches NVMe when evicted) and may be evicted again."""
         if self.params_nvme and not self.master_is_compute(u):
             with self._host_lock:
-                u.host_dirty = True
+                u.host_dirty, u.compute_sums = True, None
                 u.host_locks -= 1
 
     def opt_store(self, u: Unit) -> None:
         """Writes ``u``'s updated state back to NVMe (asynchronously; buffers
         are freed when the writes finish). The new compute copy stays in the
         host cache, marked dirty: it is written when evicted."""
+        # [Note: fp32 master aliasing] The master is the compute copy: when
+        # the update took the master's sums over the whole copy, they go with
+        # its write-back on eviction ([Note: sums from the producer]).
+        aliased = self.master_is_compute(u)
+        sums = u.opt_sums.get("master") if aliased and u.master is not None \
+            and u.master.numel() == u.host_compute.numel() else None
         if self.opt_nvme:
-            kinds = ("master", "exp_avg", "exp_avg_sq")[1 if self.master_is_compute(u) else 0:]
+            kinds = ("master", "exp_avg", "exp_avg_sq")[1 if aliased else 0:]
             for kind, buf in zip(kinds, u.opt_bufs):
                 h = self.nvme.write(swap_key(u.index, kind), getattr(u, kind), u.opt_sums.get(kind))
                 self.defer_release(h, buf)
@@ -1051,9 +1058,9 @@ class Engine:
             u.opt_sums = {}
             u.master = None
             u.moments_fresh = False
-        if self.master_is_compute(u):
+        if aliased:
             with self._host_lock:
-                u.host_dirty = True  # updated in place as the master
+                u.host_dirty, u.compute_sums = True, sums  # updated in place as the master
                 u.host_locks -= 1
         else:
             self.compute_written(u)

@@ -121,6 +121,7 @@ class Unit:
         self.host_buf = None            # pool handle of a cached compute copy (None: permanent or absent)
         self.host_busy = None           # transfer reading host_compute (fetch ticket)
         self.host_dirty = False         # host_compute is newer than its NVMe copy (written back on eviction)
+        self.compute_sums = None        # CRC32C sums of host_compute from the update that made it dirty
         self.host_write = None          # write-back of an evicted compute copy in flight
         self.host_locks = 0             # optimizer writing host_compute now
         self.grad_buf = None            # pool handle of an NVMe optimizer's gradient buffer
