@@ -19,6 +19,9 @@ Cases
                  THP_MEM_ALLOC_ENABLE=1 (measured in a child process, since torch
                  reads the variable once): page-aligned, in huge pages, so they
                  move without a copy (docs/io.md, "Plain tensors").
+  store/...-nosum the default store with checksums off, plus one CRC32C pass
+                 over the pool buffer alone: what the store's own checksums
+                 cost ([Note: the checksum's price]); not judged.
   repeat/pyraw-bs8M-qd8  the first raw case measured again, at its own place
                  in each round and not counted in the best raw figure:
                  its ratio to the best raw figure is what the disk's own noise
@@ -35,6 +38,15 @@ Overwrites from the pool run twice: 'write_over' with the store taking the
 checksums, 'write_over_sums' with the sums passed in as the optimizer's
 write-back passes those its AdamW step took (docs/io.md, "Sums from the
 producer"; scripts/bench_adam.py prices taking them in the step).
+
+[Note: the checksum's price]
+The store with checksums off ('-nosum', Config's defaults otherwise) and one
+CRC32C pass over the pool buffer alone are measured in every round, so the
+run shows what the store's own checksums cost its overwrites: if the pass and
+the transfer overlapped, overwrites with the store's sums would run near the
+unchecked figure; if they exclude each other (both bound by the same memory),
+near 1/(1/unchecked + 1/pass), the 'serial model'. Fresh writes, bound by the
+disk rather than memory here, show the same pair where the pass is free.
 
 Paired baseline: a virtio disk's host side caches recently written data, so a
 read's speed depends on how fresh the data is, and a raw file written at a
@@ -101,7 +113,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from infinity.io import HostPool, SwapStore  # noqa: E402
-from infinity.io.engine import key_sums, native_available  # noqa: E402
+from infinity.io.engine import crc32c, key_sums, native_available  # noqa: E402
 
 MiB = 1 << 20
 # Figures judged against the targets: write_over has the store take the sums,
@@ -250,14 +262,20 @@ def raw_extents(pieces, rw: str, bs: int, depth: int, mem: memoryview) -> float:
     return gbps(total, dt)
 
 
-def store_run(dirs, backend, bs, qd, size, pool_buf, plain) -> dict:
+def store_run(dirs, backend, bs, qd, size, pool_buf, plain, checksum: bool = True) -> dict:
     """One store life: fresh write, overwrite, read (pool), read and write
     (plain); then reads and overwrites of the same extents, raw and by the
     store in turn (raw_same_*: the paired baseline; the store's overwrite
-    from the pool buffer, then from a plain tensor)."""
+    from the pool buffer, then from a plain tensor). ``checksum=False``: the
+    store without checksums, and the time of one CRC32C pass over the pool
+    buffer alone ('crc_pass', GB/s) ([Note: the checksum's price])."""
     res = {}
+    if not checksum:
+        t = time.perf_counter()
+        crc32c(pool_buf.data_ptr(), size)
+        res["crc_pass"] = gbps(size, time.perf_counter() - t)
     with SwapStore(dirs, capacity_bytes=size + len(dirs) * 16 * MiB, backend=backend, block_size=bs,
-                   queue_depth=qd) as s:
+                   queue_depth=qd, checksum=checksum) as s:
         # The sums a producer passes with its write ([Note: sums from the
         # producer]): taken here before the clock starts, as the AdamW step
         # takes them while it updates the buffer (bench_adam.py prices that).
@@ -298,6 +316,28 @@ def store_run(dirs, backend, bs, qd, size, pool_buf, plain) -> dict:
             s.write("k", plain).wait()
             res["write_plain_same"] = gbps(size, time.perf_counter() - t)
     return res
+
+
+def checksum_price(med: dict, default: str) -> Optional[dict]:
+    """[Note: the checksum's price] figures from the medians (GB/s): the
+    default store with and without checksums, and the CRC32C pass alone;
+    printed, and returned for the JSON (None when not measured)."""
+    on, off = med.get(default), med.get(default + "-nosum")
+    if not on or not off or "crc_pass" not in off:
+        return None
+    u, k = off["write_over"], off["crc_pass"]
+    p = {"overwrite_unchecked": u, "crc_pass": k, "serial_model": 1 / (1 / u + 1 / k),
+         "overwrite_store_sums": on["write_over"], "overwrite_producer_sums": on.get("write_over_sums"),
+         "fresh_unchecked": off["write_fresh"], "fresh_store_sums": on["write_fresh"]}
+    print(f"\nThe checksums' price ({default}, GB/s): overwrites without checksums {u:.2f}, a CRC32C pass alone "
+          f"{k:.2f}; the two one after the other would give {p['serial_model']:.2f}. With the store's sums "
+          f"{on['write_over']:.2f} ({on['write_over'] / u:.2f} of unchecked, {on['write_over'] / p['serial_model']:.2f} "
+          f"of the serial model)"
+          + (f", with the producer's {p['overwrite_producer_sums']:.2f} ({p['overwrite_producer_sums'] / u:.2f})"
+             if p["overwrite_producer_sums"] else "")
+          + f". Fresh writes: {on['write_fresh']:.2f} with sums, {off['write_fresh']:.2f} without "
+          f"({on['write_fresh'] / off['write_fresh']:.2f}).")
+    return {k2: round(v, 3) for k2, v in p.items() if v is not None}
 
 
 def thp_child(root: Path, size: int) -> int:
@@ -368,6 +408,7 @@ def main() -> int:
             store_cases.append(("io_uring", bs, qd, 1))
         store_cases.append(("threads", 8 * MiB, 8, 1))
         store_cases.append(("io_uring", 8 * MiB, 8, 2))
+        store_cases.append(("io_uring", 8 * MiB, 16, 1, False))  # [Note: the checksum's price]
     store_cases.append(("python", 8 * MiB, 8, 1))
 
     # fio's own buffers are 4 KiB pages (see [Note: huge pages for DMA] in
@@ -411,11 +452,11 @@ def main() -> int:
             os.unlink(f)
         return run
 
-    def store_step(backend, bs, qd, npaths):
+    def store_step(backend, bs, qd, npaths, checksum=True):
         def run(rnd):
             dirs = [str(root / f"p{i}") for i in range(npaths)]
-            r = store_run(dirs, backend, bs, qd, size, pool_buf, plain)
-            case = f"store/{r.pop('backend')}-bs{bs // MiB}M-qd{qd}-paths{npaths}"
+            r = store_run(dirs, backend, bs, qd, size, pool_buf, plain, checksum)
+            case = f"store/{r.pop('backend')}-bs{bs // MiB}M-qd{qd}-paths{npaths}" + ("" if checksum else "-nosum")
             for k, v in r.items():
                 add(case, k, v)
             for d in dirs:
@@ -558,7 +599,9 @@ def main() -> int:
         if rep:
             print(f"  noise floor ({rep[7:]} measured again in each round, / best raw): "
                   + ", ".join(f"{m} {v:.2f}" for m, v in ratios[rep].items()))
+    price = checksum_price(med, default)
     out = {"targets": verdict, "checks": extra, "noise_floor": ratios.get(rep), "ratio_to_deepspeed_aio": vs_ds,
+           "checksum_price": price,
            "paired_ratio_same_extents": paired, "size_bytes": size, "rounds": args.rounds,
            "raw_tools": sorted({c[0] for c in raw_cases}), "median_gbps": med, "samples_gbps": samples,
            "best_raw_gbps": best_raw, "ratio_to_best_raw": ratios, "native": native,
