@@ -738,8 +738,9 @@ class SwapStore:
                 body = n // ALIGN * ALIGN if ptr % ALIGN == 0 else 0
                 verify = op == READ and self.checksum
                 # Sums passed in: the stored ones (reads) or the producer's (writes).
-                sums = piece.crcs if verify else (
-                    given[piece.rel // C: piece.rel // C + crc_count(n, B)] if given is not None else None)
+                sums = piece.crcs if verify else (  # a view: the ctypes arrays below copy once
+                    memoryview(given)[piece.rel // C: piece.rel // C + crc_count(n, B)] if given is not None
+                    else None)
                 body_arr = tail_arr = None
                 if body:
                     if self.checksum:

@@ -7,10 +7,11 @@
 #include <vector>
 
 #include "build_info.h"
+#include "chunk_rule.h"
+#include "infinity_io.h"
 #include "infinity_native.h"
 #include "isa.h"
 #include "thread_pool.h"
-#include "infinity_io.h"
 
 using namespace infinity_native;
 
@@ -69,7 +70,7 @@ struct Job {
   bool probe;
   int nthreads;
   // Sums mode (inf_adam_step_sums): work is split by checksum chunk.
-  int64_t chunk_elems = 0;       // elements per checksum chunk
+  int64_t chunk_bytes = 0;       // bytes per checksum chunk
   const int64_t* item_prefix = nullptr;  // item_prefix[i] = first chunk of tensor i
   const int64_t* sums = nullptr; // 3*n_tensors uint32 arrays: params, exp_avg, exp_avg_sq
 };
@@ -123,25 +124,6 @@ void run_chunk(void* raw, int tid) {
 // floor of the size, then the unaligned tail), so a write can pass them on.
 constexpr int64_t kSumTile = 4096;  // elements: 16 KiB of each fp32 stream
 
-// Chunk c of a tensor of n elements: [*a, *b). aligned = the 4 KiB floor, in elements.
-inline void chunk_range(int64_t c, int64_t n, int64_t ce, int64_t* a, int64_t* b) {
-  const int64_t aligned = n * 4 / 4096 * 4096 / 4;
-  const int64_t body = (aligned + ce - 1) / ce;
-  if (c < body) {
-    *a = c * ce;
-    *b = std::min((c + 1) * ce, aligned);
-  } else {
-    *a = aligned;
-    *b = n;
-  }
-}
-
-// Chunks of a tensor of n elements (inf_io_crc_count of its bytes).
-inline int64_t chunk_count(int64_t n, int64_t ce) {
-  const int64_t aligned = n * 4 / 4096 * 4096 / 4;
-  return (aligned + ce - 1) / ce + (n > aligned ? 1 : 0);
-}
-
 void run_sum_chunks(void* raw, int tid) {
   const Job& j = *static_cast<const Job*>(raw);
   const int64_t n = j.n_tensors;
@@ -153,8 +135,10 @@ void run_sum_chunks(void* raw, int tid) {
     while (j.item_prefix[t + 1] <= it) t++;
     const int64_t c = it - j.item_prefix[t];
     const int64_t numel = j.prefix[t + 1] - j.prefix[t];
-    int64_t a, b;
-    chunk_range(c, numel, j.chunk_elems, &a, &b);
+    int64_t a, b;  // bytes, then elements (every bound is a multiple of 4)
+    sum_chunk_range(c, 4 * numel, j.chunk_bytes, &a, &b);
+    a /= 4;
+    b /= 4;
     float* p = reinterpret_cast<float*>(j.ptrs[t]);
     const char* g = reinterpret_cast<const char*>(j.ptrs[n + t]);
     float* m = reinterpret_cast<float*>(j.ptrs[2 * n + t]);
@@ -209,17 +193,16 @@ int32_t run(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* 
     return INF_OK;
   }
   std::vector<int64_t> items(n_tensors + 1);
-  const int64_t ce = chunk_bytes / 4;
   items[0] = 0;
   for (int64_t i = 0; i < n_tensors; ++i) {
     if (numels[i] > 0)
       for (int k = 0; k < 3; ++k)
         if (sums[k * n_tensors + i] == 0) return INF_E_INVAL;
-    items[i + 1] = items[i] + chunk_count(numels[i], ce);
+    items[i + 1] = items[i] + sum_chunk_count(4 * numels[i], chunk_bytes);
   }
   if (items[n_tensors] < nt) nt = static_cast<int>(items[n_tensors] < 1 ? 1 : items[n_tensors]);
   job.nthreads = nt;
-  job.chunk_elems = ce;
+  job.chunk_bytes = chunk_bytes;
   job.item_prefix = items.data();
   job.sums = sums;
   parallel_run(nt, run_sum_chunks, &job);

@@ -32,6 +32,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "chunk_rule.h"
 #include "infinity_io.h"
 
 namespace {
@@ -782,9 +783,7 @@ INF_API int32_t inf_io_unregister(inf_io_engine* eng, int32_t file_id) {
 
 INF_API int64_t inf_io_crc_count(int64_t nbytes, int64_t block_size) {
   if (nbytes <= 0 || block_size <= 0 || block_size % kAlign) return 0;
-  const int64_t chunk = chunk_bytes_for(block_size);
-  int64_t aligned = round_down(nbytes);
-  return (aligned + chunk - 1) / chunk + (nbytes > aligned ? 1 : 0);
+  return infinity_native::sum_chunk_count(nbytes, chunk_bytes_for(block_size));
 }
 
 INF_API int64_t inf_io_stage_block(int32_t op, int64_t block_size) {
