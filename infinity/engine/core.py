@@ -22,6 +22,7 @@ from ..config import Config, format_bytes
 from ..io.errors import PoolExhausted
 from .mover import DeferredTicket, Ticket, make_mover
 from .nvme import NvmeTier, key as swap_key
+from .saved import SavedTensorRouter
 from .zero import Sharding
 from .state import DeviceState, GradState, transition
 from .stats import Stats
@@ -63,6 +64,9 @@ class Engine:
         self._deferred: List[Tuple[object, object]] = []  # (I/O handle, host buffer) freed when done
         self._lru_clock = 0
         self._pass_pins: List[Unit] = []     # units pinned until the end of the current pass
+        self._wanted: List[Unit] = []        # backward needs them; no room yet (see [Note: pins])
+        self._protected: set = set()         # unit indexes unpacked since the last hook (see [Note: pins])
+        self._relayout = False               # a unit became external: re-place the pass units
         self._in_pass = False
         self._pass_grad = False
         self._internal = 0                   # >0 while the engine itself touches parameters
@@ -71,6 +75,15 @@ class Engine:
         self._closed = False
         self.sharding = Sharding(config.zero_stage, self.stats, group=process_group)
         self.zero = config.zero_stage
+        # [Note: gradients in the compute dtype] Without accumulation over
+        # micro-batches or ranks, a unit's host gradients stay in the compute
+        # dtype: the upcast to fp32 is exact, so the native AdamW reading bf16
+        # gives the same update, while the gradients cross to the host (and to
+        # NVMe) at half the bytes, with no upcast pass on the way. Two
+        # backward() calls per step with grad_accumulation_steps=1 then sum
+        # in the compute dtype, as torch does for a model in that dtype.
+        self.grad_dtype = (self.dtype if config.offload_optimizer != "none" and self.sharding.world == 1
+                           and config.grad_accumulation_steps == 1 else torch.float32)
         if self.sharding.world > 1:
             desc = {f"config.{k}": v for k, v in config.to_dict().items() if k != "swap_paths"}
             desc.update({f"param {n}": (tuple(p.shape), p.requires_grad)
@@ -82,6 +95,9 @@ class Engine:
             for i, s in enumerate(u.layout.slots):
                 self.param_slot[id(s.param)] = (u, i)
         self._place(model)
+        # See [Note: saved tensors follow their unit]; units that never move need no hooks.
+        self.saved = None if self.params_on_device else SavedTensorRouter(self)
+        self.window_closed = False           # the accumulation window's last-backward work ran
         self.stats.end_step_window()  # the first step's counters start after initialisation
 
     # ------------------------------------------------------------------ building
@@ -129,7 +145,10 @@ class Engine:
         """Bytes the device tier needs: minimum (for the budget check) and everything resident."""
         depth = self.config.prefetch_depth
         root = self.units[0]
-        others = sorted((self._compute_bytes(u) for u in self.units[1:]), reverse=True)
+        # Units found to be used outside their forward stay resident for whole
+        # passes, like the root (known after the first pass; see note_external_use).
+        external = sum(self._compute_bytes(u) for u in self.units[1:] if u.external)
+        others = sorted((self._compute_bytes(u) for u in self.units[1:] if not u.external), reverse=True)
         grad_reserve = max([_nbytes(u.trainable_numel, self.dtype) for u in self.units] + [0])
         opt_fixed = 0
         if not self.host_optimizer:
@@ -138,9 +157,10 @@ class Engine:
         if self.params_on_device:
             arena_min = all_compute
         else:
-            # The root, the unit computing, and `depth` prefetched units; one
-            # more for a backward pin held across a recomputation.
-            arena_min = self._compute_bytes(root) + sum(others[:depth + 1])
+            # The root and external units (at the top of the arena), the unit
+            # computing and `depth` prefetched units. Enough at any moment,
+            # since units held only for a pending backward give way (see [Note: pins]).
+            arena_min = self._compute_bytes(root) + external + sum(others[:depth + 1])
         return {"arena_min": arena_min, "all_compute": all_compute, "grad_reserve": grad_reserve,
                 "opt_fixed": opt_fixed, "largest_unit": others[0] if others else 0}
 
@@ -149,7 +169,8 @@ class Engine:
         with: the root unit, ``prefetch_depth + 1`` of the largest units, the
         gradient reserve and the device-side optimizer state."""
         need = self.device_need()
-        return need["arena_min"] + need["grad_reserve"] + need["opt_fixed"] + 512 * len(self.units)
+        # Ranges are 512-byte aligned: up to 511 bytes lost per unit, and the arena is rounded down.
+        return need["arena_min"] + need["grad_reserve"] + need["opt_fixed"] + 512 * (len(self.units) + 1)
 
     def _place(self, model: nn.Module) -> None:
         cfg = self.config
@@ -206,7 +227,8 @@ class Engine:
                     if self.zero >= 2:  # full gradients live from the unit's first gradient to its reduction
                         zero_transient += tb
                 elif not self.opt_nvme:
-                    perm += tb * (5 if delayed else 4)
+                    gb = _round_pool(_nbytes(u.trainable_numel, self.grad_dtype))
+                    perm += 3 * tb + gb * (2 if delayed else 1)
             if self.opt_nvme and u.trainable_numel:
                 k = 3 if self.zero else 4  # ZeRO keeps its gradient shard on the host
                 k -= 1 if self.master_is_compute(u) else 0
@@ -331,9 +353,9 @@ class Engine:
                 u.master = self._host_alloc(tn, torch.float32)
                 u.exp_avg = self._host_alloc(tn, torch.float32)
                 u.exp_avg_sq = self._host_alloc(tn, torch.float32)
-                u.grad = self._host_alloc(tn, torch.float32)
+                u.grad = self._host_alloc(tn, self.grad_dtype)
                 if self.config.overlap == "delayed":
-                    u.next_grad = self._host_alloc(tn, torch.float32)
+                    u.next_grad = self._host_alloc(tn, self.grad_dtype)
             else:
                 mk = lambda: torch.zeros(tn, dtype=torch.float32, device=self.device)  # noqa: E731
                 u.master, u.exp_avg, u.exp_avg_sq, u.grad = mk(), mk(), mk(), mk()
@@ -461,34 +483,52 @@ class Engine:
         for s in u.layout.slots:
             s.param.data = self._standin(s)
 
-    def _alloc_range(self, u: Unit, allow_evict: bool = True, protect_before: float = NEVER) -> Optional[int]:
+    def _alloc_range(self, u: Unit, allow_evict: bool = True, protect_before: float = NEVER,
+                     soft: bool = False) -> Optional[int]:
+        """An arena range for ``u`` (byte offset), evicting :meth:`_victim`'s
+        choices until one fits; None if none does. Pass units (root, external)
+        are placed from the top, the others from the bottom, so the pass
+        units never split the space the others page through."""
         nbytes = self._compute_bytes(u)
+        high = u.index == 0 or u.external
         while True:
-            off = self.device_tier.try_alloc(nbytes)
+            off = self.device_tier.try_alloc(nbytes, high=high)
             if off is not None:
                 return off
             if not allow_evict:
                 return None
-            victim = self._victim(protect_before)
+            victim = self._victim(protect_before, soft)
             if victim is None:
                 return None
             self._evict(victim)
 
-    def _victim(self, protect_before: float = NEVER) -> Optional[Unit]:
+    def _victim(self, protect_before: float = NEVER, soft: bool = False) -> Optional[Unit]:
         """Policy: the evictable unit whose next use is furthest away (Belady on
         the trace); least recently used without a trace. Units needed before
-        ``protect_before`` (a trace index) are not candidates."""
+        ``protect_before`` (a trace index) are not candidates. With ``soft``,
+        units held only for a pending backward are candidates too, after
+        every free one (see [Note: pins])."""
         best, best_key = None, None
         for u in self.units:
-            if u.device_state is DeviceState.ABSENT or u.pins > 0 or u.permanent:
+            if u.device_state is DeviceState.ABSENT or u.pins > 0 or u.permanent or u.index in self._protected:
+                continue
+            if u.bwd_count and not soft:
                 continue
             nu = self.trace.next_use(u.index)
             if nu <= protect_before and protect_before != NEVER:
                 continue
-            key = (nu, -u.last_used)
+            key = (u.bwd_count == 0, nu, -u.last_used)
             if best_key is None or key > best_key:
                 best, best_key = u, key
         return best
+
+    def unit_at(self, offset: int) -> Optional[Unit]:
+        """The unit whose device range holds arena byte ``offset`` (None: none)."""
+        for u in self.units:
+            r = u.dev_range
+            if r is not None and r <= offset < r + self._compute_bytes(u):
+                return u
+        return None
 
     def _begin_fetch(self, u: Unit, off: int) -> None:
         u.device_state = transition(u.name, "device", u.device_state, DeviceState.FETCHING)
@@ -654,7 +694,11 @@ class Engine:
                 except PoolExhausted:
                     if self._make_host_room(protect):
                         continue
-                    if threading.current_thread() is threading.main_thread() and self._wait_optimizer_work():
+                    # Any thread but the optimizer's own may wait for its
+                    # work (on CUDA, backward hooks run on autograd's device
+                    # thread, not the main one); that thread would wait for itself.
+                    if not threading.current_thread().name.startswith("infinity-host") \
+                            and self._wait_optimizer_work():
                         continue
                     if self._drop_opt_prefetch(protect):
                         continue
@@ -712,31 +756,118 @@ class Engine:
         """Makes ``u``'s compute copy usable by compute now, pinning it (caller unpins)."""
         self.trace.use(u.index)
         u.pins += 1
+        self._touch(u)
+        if u.device_state is DeviceState.ABSENT:
+            try:
+                self._fetch_needed(u)
+            except BudgetError:
+                u.pins -= 1
+                raise
+        self._prefetch()
+        self._wait_fetch(u)
+
+    def _touch(self, u: Unit) -> None:
         self._lru_clock += 1
         u.last_used = self._lru_clock
+
+    def _fetch_needed(self, u: Unit) -> None:
+        """Starts fetching ``u``, needed now: anything not held by a running
+        forward, a pass or a recomputation gives way."""
+        off = self._alloc_range(u, soft=True)
+        if off is None:
+            raise BudgetError(self._no_room_message(u))
+        self._begin_fetch(u, off)
+        self.stats.fetches += 1
+
+    def _no_room_message(self, u: Unit) -> str:
+        held = [f"{x.name} ({self._compute_bytes(x)} B)" for x in self.units
+                if x.device_state is not DeviceState.ABSENT and (x.pins > 0 or x.permanent)]
+        ext = [x.name for x in self.units if x.external]
+        need = self.device_minimum()
+        tier = self.device_tier
+        return (f"device tier: cannot fit unit {u.name!r} ({self._compute_bytes(u)} bytes): {tier.arena_free_bytes} "
+                f"of {tier.arena_bytes} arena bytes free (largest free range {tier.largest_free_bytes}) and the "
+                f"resident units left are in use: {held}."
+                + (f" Units {ext} are used outside their own forward, so they stay on the device for whole "
+                   "passes; the budget must hold them as well." if ext else "")
+                + f" Raise device_memory to at least {need} bytes ({format_bytes(need)}), lower prefetch_depth, "
+                  "or split the model into smaller units (Config.unit_classes)")
+
+    def fetch_for_backward(self, u: Unit) -> None:
+        """``u``'s backward is about to run: holds it for that backward and
+        fetches it if there is room without displacing any unit in use;
+        otherwise the fetch waits for the next hook or the first saved
+        tensor ``u``'s backward unpacks (see [Note: pins])."""
+        self.trace.use(u.index)
+        u.bwd_count += 1
+        self._touch(u)
         if u.device_state is DeviceState.ABSENT:
             off = self._alloc_range(u)
             if off is None:
-                self._drop_unpinned_fetches()
-                off = self._alloc_range(u)
-            if off is None:
-                u.pins -= 1
-                pinned = [f"{x.name} ({self._compute_bytes(x)} B)" for x in self.units
-                          if x.pins > 0 and x.device_state is not DeviceState.ABSENT]
-                raise BudgetError(f"device tier: cannot fit unit {u.name!r} ({self._compute_bytes(u)} bytes): "
-                                  f"{self.device_tier.arena_free_bytes} of {self.device_tier.arena_bytes} arena "
-                                  f"bytes free and every resident unit is in use: {pinned}. Raise "
-                                  "device_memory or lower prefetch_depth")
+                if u not in self._wanted:
+                    self._wanted.append(u)
+                return
             self._begin_fetch(u, off)
             self.stats.fetches += 1
         self._prefetch()
         self._wait_fetch(u)
 
-    def _drop_unpinned_fetches(self) -> None:
-        """Drops prefetches nobody waits for yet, to make room for a unit needed now."""
-        for x in self.units:
-            if x.device_state is DeviceState.FETCHING and x.pins == 0:
-                self._evict(x)
+    def ensure_for_unpack(self, u: Unit) -> None:
+        """Makes ``u`` resident for a saved tensor autograd unpacks now, and
+        keeps it in place until the next hook (the other saved tensors of the
+        same backward node may live in other units; see [Note: pins])."""
+        if u.device_state is DeviceState.ABSENT:
+            self._internal += 1
+            try:
+                self._fetch_needed(u)
+            finally:
+                self._internal -= 1
+        self._wait_fetch(u)
+        self._protected.add(u.index)
+
+    def settle(self) -> None:
+        """Called at every hook: what was unpacked before may move again, and
+        the backward fetches that found no room try again."""
+        if self._protected:
+            self._protected.clear()
+        if self._wanted:
+            keep = []
+            for u in self._wanted:
+                if u.device_state is not DeviceState.ABSENT or u.bwd_count == 0:
+                    continue
+                off = self._alloc_range(u)
+                if off is None:
+                    keep.append(u)
+                    continue
+                self._begin_fetch(u, off)
+                self.stats.fetches += 1
+            self._wanted = keep
+
+    def begin_recompute(self, u: Unit) -> None:
+        """``u`` is fetched for a recomputation inside backward (activation
+        checkpointing): the pin of that fetch is kept until ``u``'s backward
+        is done, because checkpoint holds the recomputed tensors, views of
+        ``u``'s range among them, where our saved-tensor hooks cannot see them."""
+        u.recompute += 1
+
+    def end_backward_of(self, u: Unit) -> None:
+        """The gradients of one call of ``u``'s inputs are complete: its
+        backward hold (and any recomputation pin) is released."""
+        if u.bwd_count > 0:
+            u.bwd_count -= 1
+        if u.recompute:
+            u.pins -= u.recompute
+            u.recompute = 0
+        self.settle()
+
+    def values_changed(self, u: Unit, slots=None) -> None:
+        """The values of ``u``'s parameters (``slots``, default its trainable
+        ones) changed in their home: bumps their autograd versions, so a
+        tensor saved before and needed after raises torch's in-place error
+        (see [Note: saved tensors follow their unit])."""
+        params = [s.param for s in (u.layout.trainable_slots if slots is None else slots)]
+        if params:
+            torch.autograd.graph.increment_version(params)
 
     def unpin(self, u: Unit) -> None:
         u.pins -= 1
@@ -794,6 +925,14 @@ class Engine:
         self._in_pass = True
         self._pass_grad = grad
         self.trace.begin_pass("train" if grad else "infer")
+        if self._relayout or self.units[0].device_state is DeviceState.ABSENT:
+            # The pass units go to the top of an empty arena, next to each
+            # other (see _alloc_range): nothing they leave between them can
+            # split the room the other units page through.
+            self._relayout = False
+            for u in self.units:
+                if u.device_state is not DeviceState.ABSENT and not u.permanent and u.pins == 0:
+                    self._evict(u)
         self._pin_for_pass(self.units[0])
         for u in self.units[1:]:
             u.bwd_count = 0
@@ -815,9 +954,12 @@ class Engine:
             self.unpin(u)
         self._pass_pins = []
         for u in self.units[1:]:
-            while u.bwd_count > 0:
-                u.bwd_count -= 1
-                self.unpin(u)
+            u.bwd_count = 0
+            if u.recompute:
+                u.pins -= u.recompute
+                u.recompute = 0
+        self._wanted = []
+        self._protected.clear()
         self._in_pass = False
         self.trace.end_pass()
         self.stats.trace_invalidations = self.trace.invalidations
@@ -828,6 +970,7 @@ class Engine:
         passes, like the root unit."""
         if not u.external:
             u.external = True
+            self._relayout = True
             warnings.warn(f"infinity: parameters of unit {u.name!r} are used outside its forward; the unit "
                           "will stay on the device for whole forward/backward passes", RuntimeWarning,
                           stacklevel=4)
@@ -844,6 +987,16 @@ class Engine:
         g = p.grad
         if g is None:
             return
+        if self.window_closed:
+            n = self.config.grad_accumulation_steps
+            raise RuntimeError(
+                f"backward() number {self.micro_batches + 1} before optimizer.step(), with "
+                f"Config.grad_accumulation_steps={n}: the last backward of the accumulation window already "
+                + ("ran the updates (overlap='backward')" if self.config.overlap == "backward"
+                   else "reduced the gradients over the ranks")
+                + f", so the gradients of this one would be dropped. Call optimizer.step() after every {n} "
+                "backward() calls, or set grad_accumulation_steps to the number of backward() calls per step "
+                "(see [Note: the accumulation window] in infinity/engine/optimizer.py)")
         p.grad = None
         s = u.layout.trainable_slots[ti]
         if u.grad is None:  # gradients of an NVMe-homed optimizer state: a host buffer until the update
@@ -890,7 +1043,7 @@ class Engine:
         """A host gradient buffer for ``u`` (NVMe optimizer state): zeroed, or
         holding the gradients accumulated so far if they were spilled. Returns
         the read in flight when ``wait`` is False."""
-        g, buf = self._host_acquire(u.trainable_numel, torch.float32, protect=u)
+        g, buf = self._host_acquire(u.trainable_numel, self.grad_dtype, protect=u)
         u.grad, u.grad_buf = g, buf
         if not u.grad_on_nvme:
             # Each slot's first gradient is copied in (not added), so only the
@@ -1003,16 +1156,20 @@ class Engine:
                 return False
             return True
 
-    def opt_out(self, u: Unit) -> Optional[torch.Tensor]:
+    def opt_out(self, u: Unit, whole: bool = False) -> Optional[torch.Tensor]:
         """The host buffer the update writes the new compute copy into (None:
-        the master is the compute copy, updated in place)."""
+        the master is the compute copy, updated in place). Waits until no
+        copy to the device reads it any more. ``whole``: the update writes
+        every trainable parameter of ``u`` (else the old copy is needed)."""
         if not self.params_nvme:
+            if u.host_busy is not None:
+                u.host_busy.wait()  # a host barrier: a fetch may still read the old copy
             return u.host_compute
         if self.master_is_compute(u):
             return None
         with self._host_lock:
             if u.host_compute is None or (u.host_busy is not None and not u.host_busy.done()):
-                if u.host_compute is None and len(u.layout.trainable_slots) == len(u.layout.slots) \
+                if u.host_compute is None and whole and len(u.layout.trainable_slots) == len(u.layout.slots) \
                         and self.zero == 0:
                     # The update writes every parameter of the unit (under ZeRO
                     # only its shard): no need to read the old copy, only to

@@ -7,17 +7,20 @@
   their unit is not in use (see ``_Watcher``).
 - unit forward pre-hook: fetch + pin the unit (waits for its prefetch; starts
   the next prefetches). With grad, a multi-grad hook on the unit's inputs
-  (mode "all") marks the end of this call's backward.
-- unit forward hook: unpin. With grad, a multi-grad hook on the outputs
-  (mode "any") fires before the call's backward runs: fetch + pin again.
+  (mode "all") marks the end of this call's backward, and the saved-tensor
+  hooks of [Note: saved tensors follow their unit] are pushed.
+- unit forward hook (also when forward raised): unpin, pop the saved-tensor
+  hooks. With grad, a multi-grad hook on the outputs (mode "any") fires
+  before the call's backward runs: the unit is held and fetched for it
+  (see [Note: pins]).
 - per-parameter post-accumulate-grad hook: the gradient leaves the device
   (engine.on_grad); when a unit's last gradient arrived, the optimizer may
   start on it (overlap="backward").
 - root output hook: at the start of backward, queues a callback that runs
   when the whole backward is done: end of the pass, pins released.
 A module called twice simply yields two entries in the trace and two
-backward pins; a checkpointed module's recomputation is a fetch like any
-other, but takes no pin of its own (see ``_make_pre``).
+backward holds; a checkpointed module's recomputation is a fetch like any
+other, whose pin lasts until the module's backward is done (see ``_make_pre``).
 """
 
 from __future__ import annotations
@@ -102,12 +105,13 @@ class Hooks:
         self._watcher: Optional[_Watcher] = None
         eng = engine
         root = eng.model
+        self._calls: List[tuple] = []  # per unit call in progress: (module, pinned, pushed saved hooks)
         self.handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
-        self.handles.append(root.register_forward_hook(self._root_post))
+        self.handles.append(root.register_forward_hook(self._root_post, always_call=True))
         for u in eng.units[1:]:
             for m in u.modules:
                 self.handles.append(m.register_forward_pre_hook(self._make_pre(u)))
-                self.handles.append(m.register_forward_hook(self._make_post(u)))
+                self.handles.append(m.register_forward_hook(self._make_post(u), always_call=True))
         for u in eng.units:
             for ti, s in enumerate(u.layout.trainable_slots):
                 self.handles.append(s.param.register_post_accumulate_grad_hook(self._make_grad_hook(u, ti)))
@@ -128,6 +132,7 @@ class Hooks:
         return None
 
     def _root_post(self, module, args, output):
+        # Also runs when forward raised (output None then): the pass ends.
         eng = self.engine
         if self._watcher is not None:
             w, self._watcher = self._watcher, None
@@ -157,14 +162,18 @@ class Hooks:
     def _make_pre(self, u: Unit):
         def pre(module, args):
             eng = self.engine
+            eng.settle()
             _internally(eng, eng.fetch, u)
-            if _in_backward():
+            in_bwd = _in_backward()
+            if in_bwd:
                 # Recomputation (activation checkpointing) inside backward:
-                # the backward pin protects the unit; a forward pin could
-                # leak, since recomputation may stop before the forward
-                # hook runs (non-reentrant checkpoint's early stop).
-                eng.unpin(u)
-            if torch.is_grad_enabled():
+                # the pin stays until u's backward is done, not until the
+                # forward hook, which an early-stopping recomputation never runs.
+                eng.begin_recompute(u)
+            grad = torch.is_grad_enabled()
+            pushed = bool(grad and not in_bwd and eng.saved is not None and not u.external and eng.saved.push())
+            self._calls.append((module, not in_bwd, pushed))
+            if grad:
                 ins = _grad_tensors(args)
                 if ins:
                     torch.autograd.graph.register_multi_grad_hook(ins, lambda grads: self._post_backward(u),
@@ -174,10 +183,16 @@ class Hooks:
 
     def _make_post(self, u: Unit):
         def post(module, args, output):
+            # Also runs when forward (or our pre-hook) raised: undo only what this call's pre-hook did.
             eng = self.engine
-            if not _in_backward():
+            if not self._calls or self._calls[-1][0] is not module:
+                return None
+            _, pinned, pushed = self._calls.pop()
+            if pushed:
+                eng.saved.pop()
+            if pinned:
                 eng.unpin(u)
-            if torch.is_grad_enabled():
+            if output is not None and torch.is_grad_enabled():
                 outs = _grad_tensors(output)
                 if outs:
                     torch.autograd.graph.register_multi_grad_hook(outs, lambda grads: self._pre_backward(u),
@@ -186,17 +201,18 @@ class Hooks:
         return post
 
     def _pre_backward(self, u: Unit) -> None:
-        _internally(self.engine, self.engine.fetch, u)
-        u.bwd_count += 1
+        eng = self.engine
+        eng.settle()
+        _internally(eng, eng.fetch_for_backward, u)
 
     def _post_backward(self, u: Unit) -> None:
-        if u.bwd_count > 0:
-            u.bwd_count -= 1
-            self.engine.unpin(u)
+        _internally(self.engine, self.engine.end_backward_of, u)
 
     def _make_grad_hook(self, u: Unit, ti: int):
         def hook(p):
-            _internally(self.engine, self.engine.on_grad, u, ti, p)
+            eng = self.engine
+            eng.settle()
+            _internally(eng, eng.on_grad, u, ti, p)
             if u.grads_pending == 0:
                 self.on_unit_grads(u)
         return hook

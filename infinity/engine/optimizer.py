@@ -18,6 +18,15 @@ the same maths on the device (``"none"``), one call per unit and param group.
   step's gradients (swapping in the second compute buffer) and queues the
   update of this step's gradients, which then runs during the next forward
   and backward. The update applied at step t uses the gradients of step t-1.
+
+[Note: the accumulation window]
+``Config.grad_accumulation_steps`` backward passes make one step. In the last
+of them some work happens during backward: with overlap="backward" each
+unit's update, and under data parallelism (stages 0, 2, 3) each unit's
+gradient reduction. Once that ran (``Engine.window_closed``), another
+backward before ``step()`` would add gradients nothing reads any more, so its
+first gradient raises instead of being dropped; ``zero_grad()`` after an
+early update raises too, since the update cannot be undone.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         self._good_steps = 0
         self._num_threads = cfg.num_threads
         self._stepped_early: Dict[int, bool] = {}   # units updated during backward this step
+        self._closing = False                        # this backward ran last-window work (see the Note)
         self._root_prefetch = None                   # host job reading the root's state ahead (NVMe)
         self._pending: List = []                     # delayed mode: updates in flight
         self._pending_units: List[Unit] = []
@@ -104,6 +114,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         last = eng.micro_batches + 1 == eng.config.grad_accumulation_steps
         dp = eng.sharding.world > 1
         if dp and eng.zero != 1 and last and u.trainable_numel and not u.grad_reduced:
+            self._closing = True  # See [Note: the accumulation window]
             self._reduce(u)  # in program order on every rank
         early = (self.overlap == "backward" and self.max_grad_norm is None and not self.fp16
                  and last and eng.zero != 1
@@ -112,6 +123,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
             if eng.opt_nvme and not eng.zero:
                 eng.spill_grads(u)  # bounded host memory until step()
             return
+        self._closing = True
         self._stepped_early[u.index] = True
         grad, written = (u.grad_shard if eng.zero else u.grad), list(u.grad_written)
         scale = 1.0 / eng.sharding.world  # gradients are sums over the data-parallel ranks
@@ -122,15 +134,13 @@ class InfinityOptimizer(torch.optim.Optimizer):
                 eng.wait_grads(u)
                 for h in eng.opt_load(u):
                     h.wait()
-                self._unit_step(u, grad, written, eng.opt_out(u), scale)
+                self._unit_step(u, grad, written, eng.opt_out(u, all(written)), scale)
                 eng.opt_store(u)
                 eng.release_grad(u)
         else:
-            out = u.host_compute if eng.host_optimizer else None
-
             def job() -> None:
                 eng.wait_grads(u)
-                self._unit_step(u, grad, written, out, scale)
+                self._update_unit(u, grad, written, scale)
 
         u.opt_ticket = eng.mover.host_job(job)
         if eng.opt_nvme:
@@ -162,6 +172,8 @@ class InfinityOptimizer(torch.optim.Optimizer):
 
     def _on_backward_end(self) -> None:
         eng = self.engine
+        if self._closing:
+            eng.window_closed = True
         if eng.opt_nvme and not eng.zero:
             for u in eng.units:  # units some of whose parameters got no gradient
                 if u.grad is not None and not u.grad_claimed:
@@ -188,6 +200,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         else:
             self._step_now()
         eng.micro_batches = 0
+        eng.window_closed = self._closing = False
         eng.stats.end_step_window()
         return loss
 
@@ -199,20 +212,22 @@ class InfinityOptimizer(torch.optim.Optimizer):
         inv = (1.0 / self.loss_scale if self.fp16 else 1.0) / world
         if self.max_grad_norm is None and not self.fp16:
             return False, inv
-        sq = 0.0
+        parts = []  # per unit, the sum of squares (float64, where the gradients live)
         for u, grad, written in units_grads:
             if grad is None and eng.opt_nvme:
                 eng.load_grad(u)  # spilled: read back for the norm (and dropped again)
                 grad = u.grad
             if grad is None:
                 continue
-            for a, b in self._written_runs(u, written):
-                ab = self._local(u, a, b, grad)
-                if ab is not None:
-                    n = float(torch.linalg.vector_norm(grad[ab[0]:ab[1]], dtype=torch.float32))
-                    sq += n * n
+            runs = [ab for ab in (self._local(u, a, b, grad) for a, b in self._written_runs(u, written))
+                    if ab is not None]
+            if runs:
+                norms = torch._foreach_norm([grad[a:b] for a, b in runs], 2, dtype=torch.float32)
+                parts.append(torch.stack(norms).double().square().sum())
             if eng.opt_nvme:
                 eng.drop_loaded_grad(u)
+        # One read of the result: on CUDA each float() would be a sync.
+        sq = float(torch.stack(parts).sum()) if parts else 0.0
         norm = math.sqrt(eng.sharding.sum_shards(sq)) / world
         if not math.isfinite(norm):
             self.last_grad_norm = norm
@@ -265,14 +280,14 @@ class InfinityOptimizer(torch.optim.Optimizer):
                 self._step_pipeline(todo, scale)
             else:
                 for u in todo:
-                    out = u.host_compute if eng.host_optimizer else None
-                    self._unit_step(u, u.grad_shard if eng.zero else u.grad, list(u.grad_written), out, scale)
+                    self._update_unit(u, u.grad_shard if eng.zero else u.grad, list(u.grad_written), scale)
             if eng.zero in (1, 2):  # every rank gets the new compute copies of every shard
                 for u in eng.units:
                     if u.trainable_numel:
                         comp = eng.opt_out(u)  # NVMe home: the cached copy, read back if evicted
                         eng.sharding.all_gather_(comp[:u.trainable_numel])
                         eng.compute_written(u)
+                        eng.values_changed(u)
             eng.stats.steps += 1
         for u in eng.units:
             self._consume(u)
@@ -297,7 +312,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
             pending = load(todo[i + 1]) if i + 1 < len(todo) else []
             grad = u.grad_shard if eng.zero else u.grad
             if grad is not None:
-                self._unit_step(u, grad, list(u.grad_written), eng.opt_out(u), scale)
+                self._unit_step(u, grad, list(u.grad_written), eng.opt_out(u, all(u.grad_written)), scale)
                 eng.opt_store(u)
             else:  # no gradient this step: put the untouched state back
                 eng.opt_store_unchanged(u)
@@ -319,6 +334,21 @@ class InfinityOptimizer(torch.optim.Optimizer):
                     if eng.mover.is_cuda:
                         t.wait()
         eng.invalidate_device_copies()
+
+    def _update_unit(self, u: Unit, grad: torch.Tensor, written: List[bool], scale: float) -> None:
+        """One unit's update with the optimizer state in memory (host or
+        device). With NVMe homes of the parameters the new compute copy goes
+        through the host cache (``opt_out``/``compute_written``), so it is
+        marked dirty and written back when evicted, never lost."""
+        eng = self.engine
+        if not any(written):
+            return  # no gradient this step: nothing changes
+        out = eng.opt_out(u, all(written)) if eng.host_optimizer else None
+        try:
+            self._unit_step(u, grad, written, out, scale)
+        finally:
+            if eng.host_optimizer:
+                eng.compute_written(u)
 
     def _consume(self, u: Unit) -> None:
         if self.engine.opt_nvme or self.engine.zero >= 2:
@@ -376,6 +406,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         self._pending = []
         for u in self._pending_units:
             u.host_compute, u.next_compute = u.next_compute, u.host_compute
+            self.engine.values_changed(u)
         self._pending_units = []
         self.engine.invalidate_device_copies()
 
@@ -472,6 +503,8 @@ class InfinityOptimizer(torch.optim.Optimizer):
         for ti, s in enumerate(slots):
             if written[ti]:
                 s.step += 1
+        if self.overlap != "delayed":  # delayed: the new values become live in _apply_pending
+            eng.values_changed(u, [s for ti, s in enumerate(slots) if written[ti]])
         with self._stat_lock:
             self.engine.stats.optimizer_seconds += time.perf_counter() - t0
 
@@ -480,7 +513,9 @@ class InfinityOptimizer(torch.optim.Optimizer):
         """The same update on CUDA buffers with torch's fused AdamW."""
         if grad_scale != 1.0:
             torch._foreach_mul_(gs, grad_scale)
-        steps = [torch.tensor(float(step), device=ps[0].device) for _ in ps]
+        # One step tensor for all (the fused kernels only read it): no
+        # pageable copy and stream sync per tensor.
+        steps = [torch.full((), float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
         beta1, beta2 = g["betas"]
         torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2),
                             weight_decay=float(g["weight_decay"]), eps=float(g["eps"]), amsgrad=False,
@@ -495,6 +530,14 @@ class InfinityOptimizer(torch.optim.Optimizer):
         """Forgets accumulated gradients (the buffers are overwritten by the
         next backward rather than zeroed)."""
         eng = self.engine
+        if self._stepped_early:
+            # See [Note: the accumulation window].
+            raise RuntimeError(
+                "optimizer.zero_grad() before optimizer.step(), after a backward whose updates already ran "
+                "(overlap='backward' updates each unit during the last backward of the accumulation window): "
+                "the gradients cannot be discarded any more. Call optimizer.step() first, or use "
+                "overlap='step' to decide after backward whether to step")
+        eng.window_closed = self._closing = False
         eng.drain_grads()
         for u in eng.units:
             if u.opt_ticket is None:

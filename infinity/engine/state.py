@@ -24,6 +24,29 @@ legal moves:
     RESIDENT -> ABSENT     eviction (unpinned) or invalidation after an
                            optimizer step changed the home copy
 
+[Note: pins]
+What keeps a resident unit in place, strongest first:
+
+- ``pins`` (hard): a forward running in the unit, the whole pass for the root
+  and for units used outside their own forward (placed at the top of the
+  arena), and a recomputation in backward until the unit's backward is done
+  (checkpoint holds recomputed views the engine cannot re-route). Never evicted.
+- protected: units whose saved tensors were unpacked since the last hook
+  (the backward node that unpacked them has not run yet). Never evicted.
+- ``bwd_count`` (soft): the unit's backward is pending. Saved tensors follow
+  their unit (see [Note: saved tensors follow their unit]), so such a unit
+  can give way when a unit needed *now* finds no room, after every unheld
+  unit; it is fetched again when its backward unpacks a saved tensor.
+- nothing: evicted first, furthest next use first.
+
+A backward fetch (the multi-grad hook on a unit's outputs) only takes room
+that no held unit occupies; without it the fetch waits in ``Engine._wanted``
+for the next hook or the first unpack. This matters because the hook that
+fetches unit k-1 fires before the one that releases unit k (both watch the
+same tensor), so at a budget of one unit the release must come first.
+Hence the minimum device budget is the pass units plus ``prefetch_depth + 1``
+of the largest other units, with nothing extra for backward.
+
 Gradients go through their own states (per unit, per step):
 
     CLEAN       the host gradient buffer holds nothing for this step

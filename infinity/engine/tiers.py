@@ -40,7 +40,7 @@ class DeviceTier:
                               f"{fixed_bytes} bytes exceed the budget of {budget_bytes} bytes")
         self.device = device
         self.budget_bytes = budget_bytes
-        arena_bytes = -(-arena_bytes // DEVICE_ALIGN) * DEVICE_ALIGN
+        arena_bytes = arena_bytes // DEVICE_ALIGN * DEVICE_ALIGN  # down: the budget is a hard bound
         self.arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device)
         self._alloc = ExtentAllocator(arena_bytes, DEVICE_ALIGN)
         self.transient_reserve = transient_reserve
@@ -70,9 +70,14 @@ class DeviceTier:
         if used > self.peak_bytes:
             self.peak_bytes = used
 
-    def try_alloc(self, nbytes: int) -> Optional[int]:
-        """Offset (bytes) of a new arena range, or None if no free range fits."""
-        off = self._alloc.alloc(nbytes)
+    @property
+    def largest_free_bytes(self) -> int:
+        return self._alloc.largest_free()
+
+    def try_alloc(self, nbytes: int, high: bool = False) -> Optional[int]:
+        """Offset (bytes) of a new arena range, or None if no free range fits;
+        ``high``: the top of the highest free range that fits."""
+        off = self._alloc.alloc_high(nbytes) if high else self._alloc.alloc(nbytes)
         if off is not None:
             self._note_peak()
         return off

@@ -116,7 +116,8 @@ class Unit:
         self.external = False           # parameters used outside this unit's forward
         self.permanent = False          # lives on the device for good (offload_params="none")
         self.last_used = 0              # LRU clock of the last fetch
-        self.bwd_count = 0              # backward pins held (one per pending module call)
+        self.bwd_count = 0              # backward holds (one per pending module call; see [Note: pins])
+        self.recompute = 0              # pins of recomputations in backward, kept until its backward is done
         # NVMe homes (see [Note: NVMe homes and the host cache]):
         self.host_buf = None            # pool handle of a cached compute copy (None: permanent or absent)
         self.host_busy = None           # transfer reading host_compute (fetch ticket)
@@ -164,7 +165,9 @@ def partition(model: nn.Module, unit_classes: Optional[Sequence[Union[str, type]
     Default policy: every child of every ``nn.ModuleList`` (transformer blocks).
     With ``unit_classes``: every module whose class matches. A module nested
     inside another unit is not a unit of its own. Everything else belongs to
-    the root unit.
+    the root unit. Containers that are never called (``ModuleList``,
+    ``ModuleDict``) are not units: a unit's hooks must run when it computes,
+    so the search goes on inside them.
     """
     found: List[Tuple[str, nn.Module]] = []
 
@@ -172,6 +175,8 @@ def partition(model: nn.Module, unit_classes: Optional[Sequence[Union[str, type]
         for name, child in mod.named_children():
             q = f"{prefix}.{name}" if prefix else name
             is_unit = _matches(child, unit_classes) if unit_classes else isinstance(mod, nn.ModuleList)
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                is_unit = False
             if is_unit and any(p is not None for p in child.parameters()):
                 found.append((q, child))
             else:
