@@ -14,6 +14,43 @@ pages needs 2048 scatter-gather segments; a virtio disk takes 254 per request,
 so the block layer splits it into many small requests. In 2 MiB pages the same
 transfer is a handful of segments. Measured here: staged reads of 1 GiB went
 from 1.3-2.9 GB/s (depending on where the pages happened to land) to 2.7-3.8.
+
+[Note: releasing the pool]
+Locked memory must be unlocked before it is unmapped: unmapping memory that is
+still registered with CUDA leaks the pinned pages in the driver, and a later
+pool mapped at the same address then fails to register
+(cudaErrorHostMemoryAlreadyRegistered) and runs unpinned. A
+``weakref.finalize`` owns the release (unregister or munlock, then unmap) and
+runs it once: at :meth:`HostPool.close`, at garbage collection or at
+interpreter exit, whichever comes first. It holds the mapping (``_Mapping``),
+never the pool, so the pool can still be collected. A tensor that still
+views the pool keeps it mapped, unlocked, until the tensor goes (the arena is
+made through a memoryview, whose buffer export makes ``mmap.close`` refuse):
+unmapping under a live view would turn its next use into a segfault.
+Unlocking while a copy still reads or writes the memory is the caller's
+error: the engine waits for the mover's streams before it closes the host
+tier. The release runs only in
+the process that created the pool; see [Note: the pool is not inherited by fork].
+
+[Note: the pool is not inherited by fork]
+DataLoader workers fork the training process. Since Linux 5.9, anonymous pages
+pinned for DMA are copied into the child at fork, so every worker would copy
+the whole pool (under the older FOLL_GET pinning the parent instead lost the
+pages the GPU writes to). The arena is advised MADV_DONTFORK before it is
+locked: a child does not get the range at all, and touching it there faults.
+In a child the finalizer therefore neither unlocks (locks are not inherited)
+nor unmaps (the child may have mapped something else at that address since);
+it keeps the mmap object alive so its own deallocation does not unmap either.
+
+[Note: a failed registration leaves the CUDA error set]
+cudaHostRegister sets the CUDA runtime's per-thread last error when it fails,
+and torch's binding (``torch.cuda.cudart().cudaHostRegister``) returns the
+code without clearing it. The next ``C10_CUDA_KERNEL_LAUNCH_CHECK`` on that
+thread would then raise it as if some kernel had failed. torch 2.13 binds no
+``cudaGetLastError``, so after a failure the pool calls it through ctypes, on
+the libcudart this process already loaded (found in /proc/self/maps, opened
+with RTLD_NOLOAD: a second copy of the runtime would clear its own error, not
+torch's), on the thread that made the failed call.
 """
 
 from __future__ import annotations
@@ -25,7 +62,8 @@ import resource
 import threading
 import time
 import warnings
-from typing import Optional, Sequence
+import weakref
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -57,6 +95,126 @@ def _libc() -> ctypes.CDLL:
 
 def _fmt_limit(v: int) -> str:
     return "unlimited" if v == resource.RLIM_INFINITY else f"{v} bytes"
+
+
+def _loaded_library(prefix: str) -> Optional[str]:
+    """Path of a shared library already mapped into this process whose file
+    name starts with ``prefix`` (e.g. ``"libcudart.so"``), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and os.path.basename(parts[5].strip()).startswith(prefix):
+                    return parts[5].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _runtime_function(prefix: str, name: str) -> Optional[Callable[[], int]]:
+    """``name`` (no arguments, returns int) from the already loaded library
+    ``prefix``; None when no such library is loaded or it lacks the symbol.
+    RTLD_NOLOAD: never loads a second copy."""
+    path = _loaded_library(prefix)
+    if path is None:
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_NOLOAD), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return fn
+
+
+_last_error_fn: Optional[Callable[[], int]] = None
+
+
+def _cuda_clear_last_error() -> Optional[int]:
+    """Clears the CUDA runtime's last error on the calling thread; returns the
+    code it held, or None when no loaded runtime was found. See [Note: a failed
+    registration leaves the CUDA error set]."""
+    global _last_error_fn
+    if _last_error_fn is None:  # found once; not cached while absent (the runtime may load later)
+        lib, sym = ("libamdhip64.so", "hipGetLastError") if torch.version.hip else ("libcudart.so", "cudaGetLastError")
+        _last_error_fn = _runtime_function(lib, sym)
+    return None if _last_error_fn is None else int(_last_error_fn())
+
+
+def _cuda_device(index: int):
+    """Context in which CUDA runtime calls use device ``index``'s context (tests replace it)."""
+    return torch.cuda.device(index)
+
+
+def _code(res) -> int:
+    """A cudaError_t from torch's binding (a pybind enum) as an int."""
+    return int(getattr(res, "value", res))
+
+
+def _error_name(cudart, code: int) -> str:
+    try:
+        return str(cudart.cudaGetErrorString(cudart.cudaError(code)))
+    except Exception:  # noqa: BLE001 - only for the message
+        return "unknown error"
+
+
+def _as_cuda_device(device) -> torch.device:
+    """``device`` (None, an index, "cuda:N" or a torch.device) as a CUDA torch.device; None: the current one."""
+    if device is None:
+        return torch.device("cuda")
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"HostPool device={device!r}: give a CUDA device (or its index), or None")
+    return d
+
+
+def _cuda_unregister(ptr: int, device: int) -> int:
+    """cudaHostUnregister under ``device``'s context; the CUDA error code (0: done)."""
+    with _cuda_device(device):
+        code = _code(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if code != 0:
+            _cuda_clear_last_error()  # See [Note: a failed registration leaves the CUDA error set]
+    return code
+
+
+_forked_away: list = []  # mmap objects of pools a forked child inherited; kept, never unmapped there
+
+
+class _Mapping:
+    """The pool's memory and how it is locked: what the finalizer releases.
+    Holds no reference to the pool. See [Note: releasing the pool]."""
+
+    __slots__ = ("mm", "arena", "ptr", "nbytes", "locked", "device", "pid")
+
+    def __init__(self, mm: mmap.mmap, nbytes: int):
+        self.mm = mm
+        self.arena: Optional[torch.Tensor] = None
+        self.ptr = 0
+        self.nbytes = nbytes
+        self.locked = "none"  # "cuda" or "mlock" while locked
+        self.device = -1      # the CUDA device whose context registered it
+        self.pid = os.getpid()
+
+    def unlock(self) -> None:
+        locked, self.locked = self.locked, "none"
+        try:
+            if locked == "cuda":
+                _cuda_unregister(self.ptr, self.device)
+            elif locked == "mlock":
+                _libc().munlock(self.ptr, self.nbytes)
+        except Exception:  # noqa: BLE001 - at exit the runtime may be gone; unmapping still frees the pages
+            pass
+
+    def release(self) -> None:
+        """Unlock, then unmap (in the creating process only)."""
+        mm, self.mm, self.arena = self.mm, None, None
+        if os.getpid() != self.pid:  # See [Note: the pool is not inherited by fork]
+            _forked_away.append(mm)
+            return
+        self.unlock()
+        try:
+            mm.close()
+        except BufferError:
+            pass  # views still alive: the memoryview unmaps when the last goes (already unlocked)
 
 
 class PoolBuffer:
@@ -117,26 +275,38 @@ class HostPool:
             and :attr:`pin_reason`.
         prefault: touch every page at construction (zero fill) when the memory
             is not locked, so the first transfers do not pay page faults.
+        device: the CUDA device (or its index) whose context registers the
+            memory; default the current device. Registering under the wrong
+            device would create a context (about 500 MB) on it.
 
     Attributes:
         pinned: True when the arena is page-locked.
         pin_method: ``"cuda"``, ``"mlock"`` or ``"none"``.
         pin_reason: why the arena is not locked ("" when it is).
+        fork_excluded: True when forked children do not inherit the arena
+            (see [Note: the pool is not inherited by fork]).
     """
 
     ALIGN = 4096
 
-    def __init__(self, capacity_bytes: int, *, pin: str = "auto", prefault: bool = True):
+    def __init__(self, capacity_bytes: int, *, pin: str = "auto", prefault: bool = True,
+                 device: Union[None, int, str, torch.device] = None):
         if capacity_bytes <= 0:
             raise ValueError(f"HostPool capacity_bytes={capacity_bytes} must be > 0")
         if pin not in ("auto", "cuda", "mlock", "none"):
             raise ValueError(f"HostPool pin={pin!r}: choose 'auto', 'cuda', 'mlock' or 'none'")
+        self.device = _as_cuda_device(device)
         cap = -(-capacity_bytes // self.ALIGN) * self.ALIGN
         self.capacity_bytes = cap
-        self._mm = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.huge_pages = self._advise_huge()
-        self._arena = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self.base_ptr = self._arena.data_ptr()
+        self._map = _Mapping(mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), cap)
+        self._finalize = weakref.finalize(self, self._map.release)  # See [Note: releasing the pool]
+        self.fork_excluded = self._advise("MADV_DONTFORK")  # See [Note: the pool is not inherited by fork]
+        # See [Note: huge pages for DMA]: fewer, larger segments per request.
+        self.huge_pages = cap >= (2 << 20) and self._advise("MADV_HUGEPAGE")
+        # Through a memoryview: it holds the mapping's buffer export while any
+        # view of the arena lives (torch.frombuffer alone releases it at once).
+        self._map.arena = torch.frombuffer(memoryview(self._map.mm), dtype=torch.uint8)
+        self._map.ptr = self.base_ptr = self._map.arena.data_ptr()
         self._alloc = ExtentAllocator(cap, self.ALIGN)
         self._cv = threading.Condition()
         self.peak_bytes = 0
@@ -145,15 +315,19 @@ class HostPool:
         self.pin_reason = ""
         self._lock_memory(pin)
         if not self.pinned and prefault:
-            self._arena.zero_()
+            self._map.arena.zero_()
 
-    def _advise_huge(self) -> bool:
-        # See [Note: huge pages for DMA]: fewer, larger segments per request.
-        advice = getattr(mmap, "MADV_HUGEPAGE", None)
-        if advice is None or self.capacity_bytes < (2 << 20):
+    @property
+    def _arena(self) -> torch.Tensor:
+        return self._map.arena
+
+    def _advise(self, name: str) -> bool:
+        """madvise(``mmap.<name>``) on the whole arena; False where the platform lacks it or refuses."""
+        advice = getattr(mmap, name, None)
+        if advice is None:
             return False
         try:
-            self._mm.madvise(advice)
+            self._map.mm.madvise(advice)
             return True
         except OSError:
             return False
@@ -165,31 +339,35 @@ class HostPool:
             self.pin_reason = "pin='none' was asked for"
             return
         use_cuda = pin == "cuda" or (pin == "auto" and torch.cuda.is_available())
-        if use_cuda:
-            reason = self._cuda_register()
-            if not reason:
-                self.pinned, self.pin_method = True, "cuda"
-                return
-        else:
-            reason = self._mlock()
-            if not reason:
-                self.pinned, self.pin_method = True, "mlock"
-                return
+        reason = self._cuda_register() if use_cuda else self._mlock()
+        if not reason:
+            self.pinned, self.pin_method = True, "cuda" if use_cuda else "mlock"
+            self._map.locked = self.pin_method
+            return
         self.pin_reason = reason
         _warn_once(reason.split(":")[0], f"infinity.io.HostPool: host memory is NOT page-locked: {reason}. "
                    "Using plain page-aligned memory; transfers still work, but may be slower and the "
                    "OS may page the pool out.")
 
     def _cuda_register(self) -> str:
+        """Registers the arena with CUDA under :attr:`device`'s context; "" or why it failed."""
+        what = f"cudaHostRegister of {self.capacity_bytes} bytes"
         try:
             cudart = torch.cuda.cudart()
-            res = cudart.cudaHostRegister(self.base_ptr, self.capacity_bytes, 0)
+            index = torch.cuda.current_device() if self.device.index is None else self.device.index
+            with _cuda_device(index):
+                code = _code(cudart.cudaHostRegister(self.base_ptr, self.capacity_bytes, 0))
+                if code == 0:
+                    self._map.device = index
+                    return ""
+                cleared = _cuda_clear_last_error()  # See [Note: a failed registration leaves the CUDA error set]
         except Exception as exc:  # no CUDA runtime, torch built without CUDA, ...
-            return f"cudaHostRegister of {self.capacity_bytes} bytes failed: {exc!r}"
-        code = int(getattr(res, "value", res))
-        if code != 0:
-            return f"cudaHostRegister of {self.capacity_bytes} bytes failed: CUDA error {code} ({res})"
-        return ""
+            return f"{what} failed: {exc!r}"
+        why = f"{what} on cuda:{index} failed: CUDA error {code} ({_error_name(cudart, code)})"
+        if cleared is None:
+            why += ("; the CUDA runtime's last error could not be cleared (no loaded libcudart found), "
+                    "so the next kernel launch check on this thread may report it")
+        return why
 
     def _mlock(self) -> str:
         libc = _libc()
@@ -232,8 +410,8 @@ class HostPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
-                if self._mm is None:
-                    raise RuntimeError("HostPool is closed")
+                if self.closed:
+                    raise RuntimeError(f"HostPool of {self.capacity_bytes} bytes is closed")
                 off = self._alloc.alloc_high(nbytes) if high else self._alloc.alloc(nbytes)
                 if off is not None:
                     self.peak_bytes = max(self.peak_bytes, self._alloc.used_bytes)
@@ -255,25 +433,16 @@ class HostPool:
         """True when ``[ptr, ptr + nbytes)`` lies inside this pool's memory."""
         return self.base_ptr <= ptr and ptr + nbytes <= self.base_ptr + self.capacity_bytes
 
+    @property
+    def closed(self) -> bool:
+        return not self._finalize.alive
+
     def close(self) -> None:
-        """Unlock and unmap the arena. Buffers and views must no longer be used."""
-        if self._mm is None:
-            return
-        if self.pinned:
-            try:
-                if self.pin_method == "cuda":
-                    torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
-                else:
-                    _libc().munlock(self.base_ptr, self.capacity_bytes)
-            except Exception:
-                pass
-            self.pinned = False
-        mm, self._mm = self._mm, None
-        self._arena = None
-        try:
-            mm.close()
-        except BufferError:
-            pass  # views still alive elsewhere: the mapping goes when they do
+        """Unlocks, then unmaps the arena (idempotent; see [Note: releasing the
+        pool]). Buffers and views must no longer be used, and no copy may still
+        read or write them."""
+        self._finalize()
+        self.pinned = False
 
     def __enter__(self) -> "HostPool":
         return self
