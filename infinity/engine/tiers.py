@@ -116,10 +116,13 @@ class HostTier:
     Buffers are permanent (:meth:`alloc`: homes of host-resident state) or
     transient (:meth:`acquire`/:meth:`release`: the NVMe tier's cache and
     optimizer pipeline). ``need_bytes`` is what the placement needs at least;
-    more than the budget is refused with the bytes named.
+    more than the budget is refused with the bytes named. ``device``: the
+    engine's device; a CUDA one is the device whose context pins the pool
+    (default: the current device).
     """
 
-    def __init__(self, capacity_bytes: int, budget_bytes: int, pin: bool, need_bytes: Optional[int] = None):
+    def __init__(self, capacity_bytes: int, budget_bytes: int, pin: bool, need_bytes: Optional[int] = None,
+                 device: Optional[torch.device] = None):
         need = capacity_bytes if need_bytes is None else need_bytes
         if need > budget_bytes:
             raise BudgetError(f"host tier: the model state placed on the host needs {need} bytes "
@@ -128,11 +131,14 @@ class HostTier:
         self.budget_bytes = budget_bytes
         self.pool = None
         self._buffers = []
+        self._final_peak = 0  # the pool's peak, kept past close() for stats
+        self._closed = False
         if capacity_bytes > 0:
             from ..io.host_pool import HostPool
             # The pool rounds its size up to 4 KiB; round the budget down first so it is never exceeded.
             size = min(capacity_bytes, budget_bytes // HostPool.ALIGN * HostPool.ALIGN or HostPool.ALIGN)
-            self.pool = HostPool(size, pin="auto" if pin else "none")
+            cuda = device if device is not None and torch.device(device).type == "cuda" else None
+            self.pool = HostPool(size, pin="auto" if pin else "none", device=cuda)
 
     @staticmethod
     def _nbytes(numel: int, dtype: torch.dtype) -> int:
@@ -150,7 +156,9 @@ class HostTier:
         :meth:`release`. ``high``: from the top of the pool (compute copies go
         there, fp32 state at the bottom, so each class's holes fit its own
         later requests instead of fragmenting the pool)."""
-        assert self.pool is not None
+        if self.pool is None:
+            raise RuntimeError(f"host tier: {numel} elements of {dtype} asked for, but the tier "
+                               + ("is closed" if self._closed else "has no pool (capacity 0)"))
         nbytes = self._nbytes(numel, dtype)
         buf = self.pool.acquire(max(nbytes, 1), block=False, high=high)
         t = buf.view(torch.uint8)[:nbytes].view(dtype)
@@ -172,16 +180,21 @@ class HostTier:
 
     @property
     def peak_bytes(self) -> int:
-        return self.pool.peak_bytes if self.pool is not None else 0
+        return self.pool.peak_bytes if self.pool is not None else self._final_peak
 
     @property
     def pinned(self) -> bool:
         return bool(self.pool is not None and self.pool.pinned)
 
     def close(self) -> None:
-        for b in self._buffers:
+        """Unlocks the pool, then unmaps it once no tensor views it (idempotent).
+        No copy may still read or write it: synchronize the mover first (see
+        [Note: releasing the pool] in infinity/io/host_pool.py)."""
+        self._closed = True
+        buffers, self._buffers = self._buffers, []
+        for b in buffers:
             b.release()
-        self._buffers = []
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            self._final_peak = pool.peak_bytes
+            pool.close()
