@@ -1,12 +1,175 @@
-"""The host tier's device and release, on the CPU (a fake CUDA runtime)."""
+"""The mover's stream and event discipline and the host tier's release, on the
+CPU: CudaMover runs against a fake torch.cuda that records which stream waits
+on what, which device each call names, and how each event was created."""
 
 import contextlib
+import threading
+import time
 
 import pytest
 import torch
 
+from infinity.engine import mover as mv
 from infinity.engine.tiers import HostTier
 from infinity.io import host_pool as hp
+
+
+class FakeEvent:
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, external=False):
+        self.blocking = blocking
+        self.stream = None
+        self.synced = False
+
+    def record(self, stream):
+        self.stream = stream
+        stream.log.append(("record", self))
+
+    def synchronize(self):
+        self.synced = True
+
+    def query(self):
+        return True
+
+
+class FakeStream:
+    def __init__(self, device, name):
+        self.device, self.name, self.log = device, name, []
+
+    def wait_event(self, ev):
+        self.log.append(("wait_event", ev))
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", other))
+
+    def __repr__(self):
+        return f"FakeStream({self.name}, {self.device})"
+
+
+class FakeCuda:
+    """What the mover uses of torch.cuda; the current stream is per device,
+    and torch.cuda.stream(s) makes ``s`` current on its device."""
+
+    def __init__(self):
+        self.compute = {}   # device index -> the compute stream
+        self.current = {}   # device index -> the current stream
+        self.asked = []     # the device argument of every current_stream call
+        self.created = 0
+
+    def _compute(self, index):
+        return self.compute.setdefault(index, FakeStream(torch.device("cuda", index), "compute"))
+
+    def current_stream(self, device=None):
+        self.asked.append(device)
+        index = torch.device(device).index if device is not None else 0
+        return self.current.get(index) or self._compute(index)
+
+    def Stream(self, device):
+        self.created += 1
+        return FakeStream(torch.device(device), f"side{self.created}")
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        index = s.device.index
+        prev = self.current.get(index)
+        self.current[index] = s
+        try:
+            yield
+        finally:
+            self.current[index] = prev
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    fake = FakeCuda()
+    for name in ("current_stream", "Stream", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    return fake
+
+
+def test_h2d_waits_for_queued_compute_unless_the_range_is_fresh(cuda):
+    m = mv.CudaMover(torch.device("cuda", 1))
+    compute = cuda._compute(1)
+    dst, src = torch.zeros(8), torch.arange(8.0)
+    t = m.h2d(dst, src)  # a live range (refresh of a device-resident unit)
+    assert torch.equal(dst, src)
+    h2d = m._h2d_stream
+    assert h2d.log[0] == ("wait_stream", compute), h2d.log  # the compute stream, not the copy stream itself
+    assert h2d.log[1] == ("record", t.event) and t.event.blocking and t.device == torch.device("cuda", 1)
+    m.release_marker()
+    marker = m._last_release
+    assert marker.stream is compute and not marker.blocking  # only streams wait on it
+    h2d.log.clear()
+    t2 = m.h2d(dst, src, fresh=True)
+    assert h2d.log == [("wait_event", marker), ("record", t2.event)]  # the marker only
+    h2d.log.clear()
+    m.h2d(dst, src)
+    assert h2d.log[:2] == [("wait_event", marker), ("wait_stream", compute)]
+    assert all(d == torch.device("cuda", 1) for d in cuda.asked), cuda.asked  # never the current device
+    m.close()
+
+
+def test_tickets_wait_on_the_movers_device(cuda):
+    m = mv.CudaMover(torch.device("cuda", 1))
+    t = m.h2d(torch.zeros(4), torch.ones(4), fresh=True)
+    t.wait_compute()
+    assert cuda._compute(1).log[-1] == ("wait_event", t.event)
+    assert 0 not in cuda.compute  # device 0's stream was never touched
+    t.wait()
+    assert t.event.synced
+    m.close()
+
+
+def test_d2h_ready_mark_is_a_stream_event_and_the_ticket_blocks(cuda):
+    m = mv.CudaMover(torch.device("cuda", 1))
+    dst, src = torch.zeros(5), torch.arange(5.0)
+    t = m.d2h(dst, src)
+    assert torch.equal(dst, src)
+    ready = cuda._compute(1).log[-1][1]
+    assert not ready.blocking and m._d2h_stream.log[0] == ("wait_event", ready)
+    assert t.event.blocking and t.event.stream is m._d2h_stream
+    m.close()
+
+
+def test_cuda_synchronize_drains_the_threads_then_the_streams(cuda):
+    m = mv.CudaMover(torch.device("cuda", 1))
+    finished = threading.Event()
+
+    def slow():
+        time.sleep(0.2)
+        finished.set()
+
+    m.host_job(slow)
+    m.synchronize()
+    assert finished.is_set()
+    for s in (m._h2d_stream, m._d2h_stream, cuda._compute(1)):
+        kind, ev = s.log[-1]
+        assert kind == "record" and ev.blocking and ev.synced, s
+    m.close()
+
+
+def test_cpu_mover_same_interface_and_synchronize():
+    m = mv.CpuMover()
+    dst, src = torch.zeros(1000), torch.randn(1000)
+    m.h2d(dst, src, fresh=True).wait()
+    assert torch.equal(dst, src)
+    order = []
+
+    def first():
+        time.sleep(0.2)
+        order.append("read")
+
+    def then():
+        order.append("copy")
+        return m.h2d(dst, src * 2)
+
+    m.chain(first, then)
+    m.host_job(lambda: (time.sleep(0.1), order.append("job")))
+    m.synchronize()  # the chain's copy too, submitted by the chain thread after the call began
+    assert sorted(order) == ["copy", "job", "read"] and torch.equal(dst, src * 2)
+    m.close()
+    m.synchronize()  # after close: nothing left, no error
 
 
 def test_host_tier_pins_on_its_device_and_closes_once(monkeypatch):

@@ -12,22 +12,54 @@ Two implementations with one interface, so the engine has a single code path:
 [Note: device range reuse]
 A device range freed by eviction may still be read by kernels queued on the
 compute stream. On CUDA, every eviction records an event on the compute
-stream (``release_marker``), and the next host-to-device copy makes the copy
+stream (``release_marker``), and every host-to-device copy makes the copy
 stream wait on the latest such event before writing, so it cannot overwrite
 bytes a queued kernel still reads. Evictions happen in compute order, so the
 latest event covers all earlier ones. On the CPU, compute is synchronous:
 when the hook evicts, the kernels that read the range have finished.
 
+[Note: refreshing a live range]
+The release marker covers ranges that were freed. A range that stays live,
+the compute copy of a unit that lives on the device and is refreshed after
+each step (``Engine.invalidate_device_copies``), was never released: with
+``offload_params="none"`` no marker exists at all, and kernels queued since
+the last eviction (metrics, an EMA, evaluation between backward and step)
+may still read it. So ``h2d`` by default also makes the copy stream wait for
+everything queued so far on the device's current stream, as torchao's
+offload does before its parameter copy. ``h2d(..., fresh=True)`` skips that
+wait for a range handed out since its last release (a fetch into a new
+range), so a prefetch overlaps the compute queued ahead of it. The current
+stream is the calling thread's: a copy issued on the chain thread (after an
+NVMe read) would wait on that thread's default stream, so those fetches,
+always into fresh ranges, pass ``fresh=True`` too.
+
+[Note: the mover's device]
+Streams, events and the "current stream" are those of the mover's device,
+never of the current device: ``torch.cuda.current_stream(self.device)``,
+and tickets carry their device, so ``device="cuda:1"`` works while the
+current device is 0. (An event is created on the device of the stream that
+first records it.)
+
+[Note: events the host waits on]
+An event that a host thread synchronizes on (a ticket's completion: ``wait``,
+the grad thread's ``finish``, ``synchronize``) is created with
+``blocking=True`` (cudaEventBlockingSync), so the waiting thread sleeps
+instead of spinning a core that the native AdamW needs (with the default
+cudaDeviceScheduleAuto, one context and many cores, a plain event spins).
+Events that only streams wait on (release markers, the "ready" mark before a
+device-to-host copy) keep the default flags: the flag changes nothing for
+cudaStreamWaitEvent.
+
 [Note: gradient copies keep their source alive]
 A gradient leaves the device as soon as autograd has accumulated it. The job
-holds a reference to the gradient tensor until the copy is done (CPU), or
+holds a reference to the gradient tensor (or to any other device-to-host
+source, such as a temporary downcast) until the copy is done (CPU), or
 ``record_stream`` tells the caching allocator the copy stream uses it (CUDA),
 so the memory is not reused while the copy reads it.
 """
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -76,11 +108,12 @@ class FutureTicket(Ticket):
 
 
 class CudaTicket(Ticket):
-    __slots__ = ("event", "fut")
+    __slots__ = ("event", "device", "fut")
 
-    def __init__(self, event, fut: Optional[Future] = None):
-        self.event = event
-        self.fut = fut  # host-side follow-up job, if any
+    def __init__(self, event, device: torch.device, fut: Optional[Future] = None):
+        self.event = event    # blocking: see [Note: events the host waits on]
+        self.device = device  # See [Note: the mover's device]
+        self.fut = fut        # host-side follow-up job, if any
 
     def done(self) -> bool:
         return self.event.query() and (self.fut is None or self.fut.done())
@@ -91,7 +124,7 @@ class CudaTicket(Ticket):
             self.fut.result()
 
     def wait_compute(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
         if self.fut is not None:
             self.fut.result()
 
@@ -158,6 +191,21 @@ def _executor(name: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_worker_init)
 
 
+def _noop() -> None:
+    return None
+
+
+def _drain(*executors: ThreadPoolExecutor) -> None:
+    """Waits, executor by executor in the order given, until each has run
+    everything submitted to it before (one worker each, so FIFO). Earlier
+    executors' jobs may submit to later ones, so the order matters."""
+    for ex in executors:
+        try:
+            ex.submit(_noop).result()
+        except RuntimeError:  # shut down: nothing more will run on it
+            pass
+
+
 class CpuMover:
     """Copies between RAM regions on worker threads (device="cpu")."""
 
@@ -173,8 +221,9 @@ class CpuMover:
         """Runs ``first`` (a host-side wait, e.g. an NVMe read) then starts ``then``'s transfer."""
         return ChainTicket(self._chain.submit(_chain, first, then))
 
-    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
-        """Copies host ``src`` into device ``dst`` (same numel)."""
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, fresh: bool = False) -> Ticket:
+        """Copies host ``src`` into device ``dst`` (same numel). ``fresh``: see
+        :meth:`CudaMover.h2d`; nothing to order on the CPU (compute is synchronous)."""
         return FutureTicket(self._h2d.submit(dst.copy_, src))
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
@@ -197,6 +246,12 @@ class CpuMover:
     def release_marker(self) -> None:
         """See [Note: device range reuse]: nothing to do on the CPU."""
 
+    def synchronize(self) -> None:
+        """Blocks until every copy and host job submitted so far has finished
+        (e.g. before the host pool is closed). Errors stay with their tickets.
+        Call it from the thread that submits, never from a job."""
+        _drain(self._chain, self._host, self._h2d, self._d2h)  # chain -> h2d, host -> d2h
+
     def close(self, wait: bool = True) -> None:
         for ex in (self._chain, self._h2d, self._d2h, self._host):
             ex.shutdown(wait=wait)
@@ -208,14 +263,14 @@ class CudaMover:
     is_cuda = True
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._h2d_stream = torch.cuda.Stream(device)
-        self._d2h_stream = torch.cuda.Stream(device)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        self.device = torch.device("cuda", index)  # See [Note: the mover's device]
+        self._h2d_stream = torch.cuda.Stream(self.device)
+        self._d2h_stream = torch.cuda.Stream(self.device)
         self._host = _executor("infinity-host")
         self._grad = _executor("infinity-grad")
         self._chain = _executor("infinity-chain")
         self._last_release = None
-        self._lock = threading.Lock()
 
     def chain(self, first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
         """Runs ``first`` (a host-side wait, e.g. an NVMe read) then issues ``then``'s copy."""
@@ -223,43 +278,52 @@ class CudaMover:
 
     def release_marker(self) -> None:
         """Records an event on the compute stream at an eviction (see [Note: device range reuse])."""
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event()  # only streams wait on it: see [Note: events the host waits on]
         ev.record(torch.cuda.current_stream(self.device))
         self._last_release = ev
 
-    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, fresh: bool = False) -> Ticket:
+        """Copies pinned host ``src`` into device ``dst`` on the copy stream.
+
+        The copy waits for the last release marker and, unless ``fresh``, for
+        all compute queued so far on the device's current stream. Pass
+        ``fresh=True`` only for a range handed out since its last release (see
+        [Note: refreshing a live range]).
+        """
+        compute = torch.cuda.current_stream(self.device)  # asked before the copy stream becomes current
         with torch.cuda.stream(self._h2d_stream):
             if self._last_release is not None:
-                self._h2d_stream.wait_event(self._last_release)
+                self._h2d_stream.wait_event(self._last_release)  # See [Note: device range reuse]
+            if not fresh:
+                self._h2d_stream.wait_stream(compute)  # See [Note: refreshing a live range]
             dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)  # See [Note: events the host waits on]
             ev.record(self._h2d_stream)
-        return CudaTicket(ev)
+        return CudaTicket(ev, self.device)
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
-        ready = torch.cuda.Event()
+    def _issue_d2h(self, dst: torch.Tensor, src: torch.Tensor):
+        """Issues ``dst.copy_(src)`` on the d2h stream after the compute queued so far; its event."""
+        ready = torch.cuda.Event()  # only the copy stream waits on it
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._d2h_stream):
             self._d2h_stream.wait_event(ready)
             dst.copy_(src, non_blocking=True)
-            src.record_stream(self._d2h_stream)
-            ev = torch.cuda.Event()
+            src.record_stream(self._d2h_stream)  # See [Note: gradient copies keep their source alive]
+            ev = torch.cuda.Event(blocking=True)  # See [Note: events the host waits on]
             ev.record(self._d2h_stream)
-        return CudaTicket(ev)
+        return ev
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        """Copies device ``src`` into pinned host ``dst`` once the compute queued so far has run."""
+        return CudaTicket(self._issue_d2h(dst, src), self.device)
 
     def grad_out(self, host_dst: torch.Tensor, dev_grad: torch.Tensor, accumulate: bool) -> Ticket:
+        """Moves one gradient to the host: ``host_dst (+)= dev_grad``, through pinned staging."""
         # Device -> pinned staging on the copy stream, then the fp32 upcast or
         # accumulation on a host thread once the copy's event completes.
         src = dev_grad.reshape(-1)
         staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._d2h_stream):
-            self._d2h_stream.wait_event(ready)
-            staging.copy_(src, non_blocking=True)
-            src.record_stream(self._d2h_stream)  # See [Note: gradient copies keep their source alive]
-            ev = torch.cuda.Event()
-            ev.record(self._d2h_stream)
+        ev = self._issue_d2h(staging, src)
 
         def finish() -> None:
             ev.synchronize()
@@ -268,10 +332,23 @@ class CudaMover:
             else:
                 host_dst.copy_(staging)
 
-        return CudaTicket(ev, self._grad.submit(finish))
+        return CudaTicket(ev, self.device, self._grad.submit(finish))
 
     def host_job(self, fn: Callable[[], None]) -> Ticket:
+        """Runs ``fn`` on the host worker thread (optimizer work)."""
         return FutureTicket(self._host.submit(fn))
+
+    def synchronize(self) -> None:
+        """Blocks until every copy and host job issued so far has finished (e.g.
+        before the host pool is closed): the chain, host and grad threads, then
+        the two copy streams and the device's current stream (copies issued
+        there, such as a stage-3 gather's without an ``h2d``). Errors stay with
+        their tickets. Call it from the thread that submits, never from a job."""
+        _drain(self._chain, self._host, self._grad)  # their jobs issue copies on the streams below
+        for stream in (self._h2d_stream, self._d2h_stream, torch.cuda.current_stream(self.device)):
+            ev = torch.cuda.Event(blocking=True)  # See [Note: events the host waits on]
+            ev.record(stream)
+            ev.synchronize()
 
     def close(self, wait: bool = True) -> None:
         for ex in (self._chain, self._host, self._grad):
