@@ -183,3 +183,21 @@ def test_process_group_two_groups_of_two(tmp_path):
             assert abs(l - r) <= 1e-5 * abs(r), (g, i, l, r)
         assert_params_close(res["state"], ref_state, global_scale=True)
     assert sorted(p.name for p in (tmp_path / "swap0").iterdir()) == []  # every rank removed its folder's files
+
+
+@pytest.mark.parametrize("backend, serves", [
+    ("gloo", True), ("nccl", False), ("NCCL", False), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl,cpu:gloo", True),
+    ("cuda:nccl", False), ("mpi", True), ("ucc", True), ("xccl", False), ("cpu:gloo", True),
+])
+def test_which_backends_serve_cpu_tensors(backend, serves):
+    from infinity.engine.zero import backend_serves_cpu
+    assert backend_serves_cpu(backend) is serves
+
+
+@pytest.mark.parametrize("world, group_size", [(2, 0), (4, 2)])
+def test_host_group_and_async_collectives(world, group_size):
+    """Sharding's collectives through a gloo host group made for its group (as
+    under NCCL) equal those through the group itself; async equals sync; with
+    two subgroups of two, each makes its own host group (local synchronisation)."""
+    port = random.randint(20000, 40000)
+    mp.spawn(zero_worker.collectives, args=(world, port, group_size), nprocs=world, join=True)

@@ -112,3 +112,61 @@ def crash(rank: int, world: int, port: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{time.perf_counter() - t0:.1f}\n{msg}")
     os._exit(0)  # like a crashed job: no orderly shutdown
+
+
+def collectives(rank: int, world: int, port: int, group_size: int = 0) -> None:
+    """Sharding's collectives through the default group and through a gloo
+    host group made for it (forced: gloo serves CPU tensors, so none would be
+    made), sync against async; with ``group_size``, in subgroups of that many
+    ranks, each with its own host group. Raises on any mismatch."""
+    from infinity.engine import zero
+    from infinity.engine.mover import CpuMover
+    from infinity.engine.stats import Stats
+    torch.set_num_threads(1)
+    _init(rank, world, port)
+    group, ranks = None, list(range(world))
+    for g in range(world // group_size if group_size else 0):  # every rank creates every group
+        members = list(range(g * group_size, (g + 1) * group_size))
+        pg = dist.new_group(members)
+        if rank in members:
+            group, ranks = pg, members
+    try:
+        plain = zero.Sharding(1, Stats(), group=group)
+        assert plain.host_group is group  # gloo serves CPU tensors: no second group
+        zero.backend_serves_cpu = lambda backend: False  # as under NCCL: a host group is made
+        forced = zero.Sharding(1, Stats(), group=group)
+        assert forced.host_group is not group and dist.get_process_group_ranks(forced.host_group) == ranks
+        assert zero.Sharding(1, Stats(), group=group).host_group is forced.host_group  # made once, reused
+        mover = CpuMover()
+        for s in (plain, forced):
+            _check_collectives(s, ranks, mover)
+        mover.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_collectives(s, ranks: list, mover) -> None:
+    world, me = len(ranks), ranks.index(dist.get_rank())
+    full = torch.arange(8.0 * world) * (me + 1)
+    total = torch.arange(8.0 * world) * sum(range(1, world + 1))
+    out_sync, out_async = torch.empty(8), torch.empty(8)
+    s.reduce_scatter(out_sync, full)
+    ticket = s.reduce_scatter(out_async, full.clone(), async_op=True)
+    ticket.wait()
+    assert ticket.done(), "a waited ticket is done"
+    assert torch.equal(out_sync, total[me * 8:(me + 1) * 8]), (out_sync, total)
+    assert torch.equal(out_sync, out_async), (out_sync, out_async)
+    a, b = full.clone(), full.clone()
+    s.all_reduce_(a)
+    ticket = s.all_reduce_(b, async_op=True)
+    ticket.wait()
+    assert torch.equal(a, b) and torch.equal(a, total)
+    assert s.sum(me + 0.5) == sum(r + 0.5 for r in range(world))
+    s.check_same({"same": 1})
+    trainable, numel = 6 * world, 10 * world  # a trainable and a frozen region, as in stage 3
+    model = torch.arange(float(numel))
+    shard = torch.cat([model[a + me * k:a + (me + 1) * k] for a, b, k in s._param_regions(numel, trainable)])
+    inline, copied = torch.zeros(numel), torch.zeros(numel)
+    s.gather_units_params(inline, shard, trainable).wait()
+    s.gather_units_params(copied, shard, trainable, h2d=mover.h2d).wait()
+    assert torch.equal(inline, model) and torch.equal(copied, model)
