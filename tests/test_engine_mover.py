@@ -1,6 +1,7 @@
-"""The mover's stream and event discipline and the host tier's release, on the
-CPU: CudaMover runs against a fake torch.cuda that records which stream waits
-on what, which device each call names, and how each event was created."""
+"""The mover's and the stage-3 gather's stream and event discipline, and the
+host tier's release, on the CPU: the CUDA code runs against a fake torch.cuda
+that records which stream waits on what, which device each call names, and
+how each event was created."""
 
 import contextlib
 import threading
@@ -212,3 +213,48 @@ def test_host_tier_on_cpu_ignores_the_device():
     tier = HostTier(1 << 16, 1 << 16, pin=False, device=torch.device("cpu"))
     assert tier.pool.pin_method == "none"
     tier.close()
+
+
+def test_stage3_gather_waits_for_the_copy_on_a_side_stream(cuda, monkeypatch):
+    """With an h2d, each region's copy is waited for, and its gather issued,
+    with the side stream current (so NCCL waits on it, not on compute); the
+    ticket's wait() waits for the works there and synchronizes a blocking
+    event; wait_compute() waits with the caller's stream current."""
+    from infinity.engine import zero
+    from infinity.engine.stats import Stats
+    s = zero.Sharding(0, Stats())
+    side = FakeStream(torch.device("cuda", 1), "side")
+    monkeypatch.setattr(s, "_side_stream", lambda t: side)
+    issued, copy_waits = [], []
+
+    class Work:
+        def __init__(self):
+            self.waits = []
+
+        def wait(self):
+            self.waits.append(cuda.current.get(1))
+
+        def is_completed(self):
+            return False
+
+    def all_gather(out, inp, group=None, async_op=False):
+        assert async_op
+        issued.append(cuda.current.get(1))
+        return Work()
+
+    class CopyTicket:
+        def wait_compute(self):
+            copy_waits.append(cuda.current.get(1))
+
+    monkeypatch.setattr(zero, "_all_gather", all_gather)
+    full, shard = torch.zeros(10), torch.arange(10.0)
+    t = s.gather_units_params(full, shard, 6, h2d=lambda dst, src: (dst.copy_(src), CopyTicket())[1])
+    assert torch.equal(full, shard)  # world 1: the own shard is everything
+    assert copy_waits == [side, side] and issued == [side, side]
+    assert t.stream is side and not t.done()
+    t.wait_compute()
+    assert all(w.waits == [None] for w in t.works)  # the caller's (compute) stream was current
+    t.wait()
+    assert all(w.waits == [None, side] for w in t.works)
+    kind, ev = side.log[-1]
+    assert kind == "record" and ev.blocking and ev.synced and t.done()
