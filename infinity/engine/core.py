@@ -9,6 +9,7 @@ the tiers' (tiers.py); legal states are state.py's.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 import time
 import warnings
@@ -54,6 +55,7 @@ class Engine:
         self.stats = Stats()
         self.trace = Trace()
         self.mover = make_mover(self.device)
+        self._fresh_h2d = functools.partial(self.mover.h2d, fresh=True)
         weakref.finalize(self, self.mover.close, False)  # worker threads end with the engine
         self.host_optimizer = config.offload_optimizer != "none"
         self.params_on_device = config.offload_params == "none"
@@ -248,7 +250,8 @@ class Engine:
             zero_transient = min(zero_transient, 3 * largest_t)  # a few units' gradients at a time
         minimum += min(zero_transient, 2 * largest_t)
         capacity = perm + (cache_all + 9 * largest_t + largest_c if self.nvme_used else 0) + zero_transient
-        self.host_tier = HostTier(capacity, host_budget, pin=self.device.type == "cuda", need_bytes=minimum)
+        self.host_tier = HostTier(capacity, host_budget, pin=self.device.type == "cuda", need_bytes=minimum,
+                                  device=self.device)
         self.host_budget = host_budget
         if self.nvme_used:
             keys = len(self.units) * 5
@@ -535,19 +538,22 @@ class Engine:
         u.dev_range = off
         u.dev_compute = self.device_tier.view(off, u.compute_numel, self.dtype)
         read = self._cache_load(u) if self.params_nvme else None
+        # A range just allocated holds no live data: its copy waits only for
+        # the eviction that freed it (see [Note: device range reuse]).
+        h2d = self._fresh_h2d
+        dev, host, tn = u.dev_compute, u.host_compute, u.trainable_numel
         if self.zero == 3 and read is not None:
             # The NVMe read starts now; the gather is issued when compute needs
             # the unit, from the thread that issues every collective, so all
             # ranks issue them in the same order (see [Note: ZeRO shards in infinity]).
-            dev, host, tn = u.dev_compute, u.host_compute, u.trainable_numel
-            u.fetch_ticket = DeferredTicket(read.wait, lambda: self.sharding.gather_units_params(dev, host, tn))
+            u.fetch_ticket = DeferredTicket(read.wait,
+                                            lambda: self.sharding.gather_units_params(dev, host, tn, h2d=h2d))
         elif self.zero == 3:
-            u.fetch_ticket = self.sharding.gather_units_params(u.dev_compute, u.host_compute, u.trainable_numel)
+            u.fetch_ticket = self.sharding.gather_units_params(dev, host, tn, h2d=h2d)
         elif read is not None:
-            dev, host = u.dev_compute, u.host_compute
-            u.fetch_ticket = self.mover.chain(read.wait, lambda: self.mover.h2d(dev, host))
+            u.fetch_ticket = self.mover.chain(read.wait, lambda: h2d(dev, host))
         else:
-            u.fetch_ticket = self.mover.h2d(u.dev_compute, u.host_compute)
+            u.fetch_ticket = h2d(dev, host)
         u.host_busy = u.fetch_ticket
         self.stats.moved("h2d", self._compute_bytes(u) // self.sharding.world if self.zero == 3
                          else self._compute_bytes(u))
@@ -1080,10 +1086,15 @@ class Engine:
             u.grad, u.grad_buf = None, None
 
     def release_grad(self, u: Unit) -> None:
+        """Frees ``u``'s transient host gradient buffer once every copy and
+        reduction into or out of it is done. Safe from two threads (the main
+        thread and the optimizer's, under ZeRO)."""
         if u.grad_buf is not None:
             self.wait_grads(u)
-            self.host_tier.release(u.grad_buf)
-            u.grad, u.grad_buf = None, None
+            with self._host_lock:
+                if u.grad_buf is not None:
+                    self.host_tier.release(u.grad_buf)
+                    u.grad, u.grad_buf = None, None
         u.grad_on_nvme = False
         u.grad_claimed = False
 
@@ -1273,9 +1284,15 @@ class Engine:
         return None
 
     def wait_grads(self, u: Unit) -> None:
-        for t in u.flush_tickets:
+        """Waits for every copy and reduction of ``u``'s gradients issued so
+        far. Tickets are dropped only once waited for, so a second thread
+        calling meanwhile waits too instead of finding the list empty."""
+        pending = list(u.flush_tickets)
+        if not pending:
+            return
+        for t in pending:
             t.wait()
-        u.flush_tickets = []
+        u.flush_tickets = [t for t in u.flush_tickets if not any(t is w for w in pending)]
 
     def drain_grads(self) -> None:
         for u in self.units:
@@ -1293,12 +1310,14 @@ class Engine:
             return
         self._closed = True
         self._settle_collectives()
+        self.mover.synchronize()  # no copy may still read or write a buffer freed below
         self.mover.close()
         if self.nvme is not None:
             with self._host_lock:
                 for h, buf in self._deferred:
                     h.wait()
             self.nvme.close()
+        self.host_tier.close()  # last: NVMe transfers use its buffers
 
     def _settle_collectives(self, timeout_s: float = 30.0) -> None:
         """Waits (at most ``timeout_s`` seconds each) for stage-3 gathers still
@@ -1310,7 +1329,10 @@ class Engine:
             t = u.fetch_ticket
             if isinstance(t, DeferredTicket):
                 t = t.inner
-            for w in getattr(t, "works", ()):
+            works = list(getattr(t, "works", ()))
+            for ft in u.flush_tickets:  # reductions still in flight
+                works += getattr(ft, "works", ())
+            for w in works:
                 try:
                     w.wait(datetime.timedelta(seconds=timeout_s))
                 except Exception:  # a failed peer: nothing left to protect

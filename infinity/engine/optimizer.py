@@ -75,6 +75,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         self._num_threads = cfg.num_threads
         self._stepped_early: Dict[int, bool] = {}   # units updated during backward this step
         self._closing = False                        # this backward ran last-window work (see the Note)
+        self._reducing: List[Unit] = []              # stages 2-3: full gradients still being reduced
         self._root_prefetch = None                   # host job reading the root's state ahead (NVMe)
         self._pending: List = []                     # delayed mode: updates in flight
         self._pending_units: List[Unit] = []
@@ -89,9 +90,17 @@ class InfinityOptimizer(torch.optim.Optimizer):
 
     # -- hooks from the engine ------------------------------------------------------------
 
+    # At most this many units' full gradients wait for their reduction (stages
+    # 2 and 3 free them only after it): with the unit whose gradients arrive,
+    # two units' worth, what the host budget sets aside (Engine._place).
+    _MAX_REDUCING = 1
+
     def _reduce(self, u: Unit) -> None:
-        """ZeRO: sums ``u``'s gradients over the ranks into its own shard (see
-        [Note: ZeRO shards in infinity]); stage 2 frees the full buffer."""
+        """ZeRO: starts summing ``u``'s gradients over the ranks into its own
+        shard (see [Note: ZeRO shards in infinity]), asynchronously, so backward
+        goes on meanwhile. The ticket joins ``u.flush_tickets``: whatever reads
+        or frees the gradients waits for it (``Engine.wait_grads``); stages 2
+        and 3 free the full buffer once it is done."""
         eng = self.engine
         eng.wait_grads(u)
         if u.grad is None:
@@ -101,13 +110,27 @@ class InfinityOptimizer(torch.optim.Optimizer):
             if not spilled:
                 u.grad.zero_()
         if not eng.zero:  # plain data parallelism: every rank keeps the summed gradients
-            eng.sharding.all_reduce_(u.grad)
-            u.grad_reduced = True
-            return
-        eng.sharding.reduce_scatter(u.grad_shard, u.grad)
-        if eng.zero >= 2:
-            eng.release_grad(u)
+            t = eng.sharding.all_reduce_(u.grad, async_op=True)
+        else:
+            t = eng.sharding.reduce_scatter(u.grad_shard, u.grad, async_op=True)
+        u.flush_tickets.append(t)
         u.grad_reduced = True
+        if eng.zero >= 2:
+            self._reducing.append(u)
+            while len(self._reducing) > self._MAX_REDUCING:
+                self._release_reduced(self._reducing.pop(0))
+
+    def _release_reduced(self, u: Unit) -> None:
+        """Stages 2-3: frees ``u``'s full gradients once their reduction is done
+        (an early update may have freed them already)."""
+        if u.opt_ticket is not None and u.grad_claimed:
+            return  # the update job frees them
+        self.engine.release_grad(u)
+
+    def _finish_reductions(self) -> None:
+        for u in self._reducing:
+            self._release_reduced(u)
+        self._reducing = []
 
     def _on_unit_grads(self, u: Unit) -> None:
         eng = self.engine
@@ -269,6 +292,8 @@ class InfinityOptimizer(torch.optim.Optimizer):
             for u in eng.units:  # same order on every rank
                 if u.trainable_numel and not u.grad_reduced and u.index not in self._stepped_early:
                     self._reduce(u)
+            eng.drain_grads()  # the reductions
+            self._finish_reductions()
         todo = [u for u in eng.units if u.index not in self._stepped_early and u.trainable_numel]
         skip, scale = self._global_scale([(u, u.grad_shard if eng.zero else u.grad, u.grad_written)
                                           for u in todo])
