@@ -19,6 +19,13 @@ Reported:
   pairs of (offloaded step, in-memory step run next to it).
 Also steps a few budgets to show bytes moved per step falling as the budget grows.
 
+On CUDA also: copy bandwidth from pinned memory (the mover's path, used for
+the transfer bound when the engine's pool is pinned) beside pageable; GPU-side
+stalls when the engine reports ``device_stall_seconds``; the caching
+allocator's peaks and retries and the pinned host bytes. Step times end with a
+device synchronize. --profile PATH writes a torch.profiler trace of one
+offloaded step (gzipped Chrome trace, dropped if over 16 MiB).
+
 Usage: python scripts/bench_train.py [--layers 12 --embd 512 --steps 6 --budget-frac 0.33]
 """
 
@@ -46,19 +53,33 @@ def make_model(args) -> GPT:
                          n_embd=args.embd, tie_weights=True))
 
 
-def copy_bandwidth(nbytes: int, device: torch.device) -> float:
-    """Bytes/s of a host-to-device copy of ``nbytes`` as the mover does it (median of 5)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+def copy_bandwidth(nbytes: int, device: torch.device, pinned: bool = False) -> float:
+    """Bytes/s of a host-to-device copy of ``nbytes`` (median of 5): from
+    pageable memory, or with ``pinned`` from a page-locked HostPool buffer as
+    the mover copies (asynchronous on CUDA, so timed to a synchronize)."""
+    pool = buf = None
+    if pinned:
+        from infinity.io import HostPool
+        pool = HostPool(nbytes, pin="auto")
+        buf = pool.acquire(nbytes)
+        src = buf.view(torch.float32)
+        src.normal_()
+    else:
+        src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
     dst = torch.empty_like(src, device=device)
     ts = []
     for _ in range(6):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=False)
+        dst.copy_(src, non_blocking=pinned)
         if device.type == "cuda":
             torch.cuda.synchronize()
         ts.append(time.perf_counter() - t0)
+    if pool is not None:
+        del src
+        buf.release()
+        pool.close()
     return nbytes / statistics.median(ts[1:])
 
 
@@ -107,13 +128,13 @@ def optimizer_time(n: int, threads) -> float:
 model_ref: list = []
 
 
-def run(args) -> dict:
+def build(args) -> dict:
+    """The in-memory baseline, the offloaded model and the batches (a dict)."""
     device = torch.device(args.device)
     ref = make_model(args)
     n_params = sum(p.numel() for p in ref.parameters())
-    compute_bytes = n_params * 4
     model_state = n_params * 16
-    budget = int(compute_bytes * args.budget_frac)
+    budget = int(n_params * 4 * args.budget_frac)
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen),
              torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)) for _ in range(4)]
@@ -132,6 +153,15 @@ def run(args) -> dict:
     print(f"model: {n_params / 1e6:.1f} M params, model state {model_state / 2**20:.0f} MiB, device budget "
           f"{budget / 2**20:.0f} MiB ({model_state / budget:.1f}x smaller), host budget {host / 2**20:.0f} MiB, "
           f"offload {args.offload}, {len(model.blocks)} blocks, batch {args.batch}x{args.seq}")
+    return dict(device=device, n_params=n_params, model_state=model_state, budget=budget, data=data, base=base,
+                base_opt=base_opt, model=model, opt=opt, cfg=cfg)
+
+
+def step_fns(ctx: dict):
+    """(offloaded step, in-memory step): each returns its wall seconds; the
+    offloaded one also the loss, the in-memory one also its forward+backward
+    seconds. Both end with a device synchronize, so GPU time is counted."""
+    device, model, opt, base, base_opt = (ctx[k] for k in ("device", "model", "opt", "base", "base_opt"))
 
     def sync():
         if device.type == "cuda":
@@ -150,17 +180,33 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         loss = base(x.to(device), y.to(device))
         loss.backward()
+        sync()  # else t1 is when the kernels were queued, not when they ran
         t1 = time.perf_counter()
         base_opt.step()
         base_opt.zero_grad()
         sync()
         return time.perf_counter() - t0, t1 - t0
 
+    return step_offload, step_base
+
+
+def stall_keys(stats: dict) -> tuple:
+    """The stall counters infinity reports: host-side waits and, where the
+    engine measures them, GPU-side waits (``device_stall_seconds``)."""
+    return tuple(k for k in ("stall_seconds", "device_stall_seconds") if k in stats)
+
+
+def measure(ctx: dict, args) -> dict:
+    """Warm-up, then alternating offloaded and in-memory steps: per-step times and stats deltas."""
+    step_offload, step_base = step_fns(ctx)
+    data = ctx["data"]
     for i in range(2):  # warm-up: trace recording, allocator, page faults
         step_offload(*data[i % 4])
         step_base(*data[i % 4])
-    s0 = infinity.stats(model)
-    t_off, t_base, t_compute, stall0, optsec0 = [], [], [], s0["stall_seconds"], s0["optimizer_seconds"]
+    if ctx["device"].type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    s0 = infinity.stats(ctx["model"])
+    t_off, t_base, t_compute = [], [], []
     for i in range(args.steps):
         x, y = data[i % 4]
         a, _ = step_offload(x, y)
@@ -168,12 +214,76 @@ def run(args) -> dict:
         t_off.append(a)
         t_base.append(b)
         t_compute.append(c)
-    s = infinity.stats(model)
+    s = infinity.stats(ctx["model"])
+    stalls = {k: (s[k] - s0[k]) / args.steps for k in stall_keys(s)}
+    if args.profile:
+        profile_step(step_offload, data[0], ctx["device"], args.profile)
+    return dict(t_off=t_off, t_base=t_base, t_compute=t_compute, s=s, stalls=stalls,
+                optsec=(s["optimizer_seconds"] - s0["optimizer_seconds"]) / args.steps)
+
+
+def cuda_memory(model) -> dict:
+    """Device and pinned host memory of this process (CUDA): the caching
+    allocator's peaks since the timed steps began (both models are resident,
+    the in-memory one included), its allocation retries, and pinned host
+    bytes (the engine's pool when pinned, plus torch's pinned allocator)."""
+    ms = torch.cuda.memory_stats()
+    pool = infinity.api.engine_of(model).host_tier.pool
+    out = {"max_memory_allocated": torch.cuda.max_memory_allocated(),
+           "max_memory_reserved": torch.cuda.max_memory_reserved(),
+           "num_alloc_retries": ms.get("num_alloc_retries", 0),
+           "host_pool_pinned_bytes": pool.capacity_bytes if pool is not None and pool.pinned else 0}
+    if hasattr(torch.cuda, "host_memory_stats"):
+        out["torch_pinned_peak_bytes"] = torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0)
+    return out
+
+
+def profile_step(step_offload, batch, device: torch.device, path: str, limit: int = 16 << 20) -> None:
+    """A torch.profiler trace of one offloaded step, gzipped to ``path``
+    (Chrome trace format); dropped, saying so, when over ``limit`` bytes."""
+    import gzip
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step_offload(*batch)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(out, "wb", compresslevel=6) as g:
+            g.write(f.read())
+    size = out.stat().st_size
+    if size > limit:
+        out.unlink()
+        print(f"profile: trace of {size} bytes gzipped is over {limit}; dropped (profile a smaller config)")
+    else:
+        print(f"profile: one offloaded step, {size / 2**20:.1f} MiB gzipped: {out}")
+
+
+def bandwidths(ctx: dict, nbytes: int) -> dict:
+    """Copy bandwidths: pageable; on CUDA also pinned, which is the mover's
+    path when the engine's pool is pinned (the transfer bound uses that)."""
+    device = ctx["device"]
+    out = {"copy_bandwidth_Bps": copy_bandwidth(nbytes, device)}
+    if device.type == "cuda":
+        out["copy_bandwidth_pageable_Bps"] = out["copy_bandwidth_Bps"]
+        out["copy_bandwidth_pinned_Bps"] = copy_bandwidth(nbytes, device, pinned=True)
+        if infinity.stats(ctx["model"])["host_pinned"]:
+            out["copy_bandwidth_Bps"] = out["copy_bandwidth_pinned_Bps"]
+    return out
+
+
+def summarize(ctx: dict, m: dict, args) -> dict:
+    """The report (the JSON written) from the measurements ``m``."""
+    s, cfg, n_params = m["s"], ctx["cfg"], ctx["n_params"]
     sm = s["step_bytes_moved"]
     moved = sm["h2d"] + sm["d2h"]
-    bw = copy_bandwidth(min(compute_bytes, 256 << 20), device)
+    bws = bandwidths(ctx, min(n_params * 4, 256 << 20))
+    bw = bws["copy_bandwidth_Bps"]
     t_opt = optimizer_time(n_params, cfg.num_threads)
-    compute = statistics.median(t_compute)
+    compute = statistics.median(m["t_compute"])
     transfer = moved / bw
     disk = None
     if args.offload == "nvme":
@@ -182,38 +292,76 @@ def run(args) -> dict:
         # The disk serves reads and writes in turn; host copies run beside it.
         transfer = max(transfer, sm["nvme_read"] / rbw + sm["nvme_write"] / wbw)
     bound = max(compute + t_opt, transfer)
+    t_off, t_base = m["t_off"], m["t_base"]
     off, bas = statistics.median(t_off), statistics.median(t_base)
     # Memory bandwidth drifts over minutes here: each offloaded step is judged
     # against the in-memory compute of the step run right after it.
-    effs = [max(c + t_opt, transfer) / a for a, c in zip(t_off, t_compute)]
+    effs = [max(c + t_opt, transfer) / a for a, c in zip(t_off, m["t_compute"])]
     ratios = [a / b for a, b in zip(t_off, t_base)]
     tokens = args.batch * args.seq
-    model_ref.append(model)
     res = {
-        "params": n_params, "model_state_bytes": model_state, "device_budget_bytes": budget,
+        "params": n_params, "model_state_bytes": ctx["model_state"], "device_budget_bytes": ctx["budget"],
         "offload_step_s": off, "inmemory_step_s": bas, "tokens_per_s_offload": tokens / off,
         "tokens_per_s_inmemory": tokens / bas, "overhead_ratio": statistics.median(ratios),
-        "stall_s_per_step": (s["stall_seconds"] - stall0) / args.steps,
-        "optimizer_s_per_step": (s["optimizer_seconds"] - optsec0) / args.steps,
+        "stall_s_per_step": m["stalls"]["stall_seconds"],
+        "optimizer_s_per_step": m["optsec"],
         "bytes_moved_per_step": s["step_bytes_moved"], "copy_bandwidth_Bps": bw,
         "lower_bound": {"compute_s": compute, "optimizer_s": t_opt, "transfer_s": transfer, "bound_s": bound},
         "overlap_efficiency": statistics.median(effs), "overlap_efficiency_of_medians": bound / off,
         "peak_bytes": s["peak_bytes"], "overlap": args.overlap,
-        "steps": args.steps, "device": str(device), "offload": args.offload, "disk_bandwidth": disk,
+        "steps": args.steps, "device": str(ctx["device"]), "offload": args.offload, "disk_bandwidth": disk,
     }
+    if "device_stall_seconds" in m["stalls"]:
+        res["device_stall_s_per_step"] = m["stalls"]["device_stall_seconds"]
+    if ctx["device"].type == "cuda":
+        res.update({k: v for k, v in bws.items() if k != "copy_bandwidth_Bps"})
+        res["cuda_memory"] = m["cuda_memory"]
+    return res
+
+
+def print_report(res: dict, moved_line: dict, budget: int) -> None:
+    """The human-readable table of ``res`` (format quoted by docs: keep it)."""
+    off, bas = res["offload_step_s"], res["inmemory_step_s"]
+    lb, disk, bw = res["lower_bound"], res["disk_bandwidth"], res["copy_bandwidth_Bps"]
+    sm = res["bytes_moved_per_step"]
+    moved = sm["h2d"] + sm["d2h"]
+    cuda = "cuda_memory" in res
     print(f"{'':24s} {'offloaded':>10s} {'in-memory':>10s}")
     print(f"{'step time (median, s)':24s} {off:10.3f} {bas:10.3f}")
-    print(f"{'tokens/s':24s} {tokens / off:10.0f} {tokens / bas:10.0f}")
+    print(f"{'tokens/s':24s} {res['tokens_per_s_offload']:10.0f} {res['tokens_per_s_inmemory']:10.0f}")
     print(f"overhead ratio (median of per-step ratios): {res['overhead_ratio']:.3f}")
-    print(f"stall {res['stall_s_per_step'] * 1e3:.1f} ms/step, optimizer {res['optimizer_s_per_step'] * 1e3:.1f} "
-          f"ms/step, moved {moved / 2**20:.1f} MiB/step {s['step_bytes_moved']}")
-    print(f"lower bound max(compute {compute:.3f} + optimizer {t_opt:.3f}, transfer {transfer:.3f}) = {bound:.3f} s"
-          f" [copies at {bw / 1e9:.1f} GB/s" + (f"; disk write {disk['write_Bps'] / 1e9:.2f} GB/s, read "
-                                              f"{disk['read_Bps'] / 1e9:.2f} GB/s" if disk else "")
+    dev_stall = (f" (GPU-side {res['device_stall_s_per_step'] * 1e3:.1f} ms/step)"
+                 if cuda and "device_stall_s_per_step" in res else "")
+    print(f"stall {res['stall_s_per_step'] * 1e3:.1f} ms/step{dev_stall}, optimizer "
+          f"{res['optimizer_s_per_step'] * 1e3:.1f} ms/step, moved {moved / 2**20:.1f} MiB/step {moved_line}")
+    pinned = (f" pinned; pageable {res['copy_bandwidth_pageable_Bps'] / 1e9:.1f} GB/s"
+              if cuda and bw == res.get("copy_bandwidth_pinned_Bps") else "")
+    print(f"lower bound max(compute {lb['compute_s']:.3f} + optimizer {lb['optimizer_s']:.3f}, transfer "
+          f"{lb['transfer_s']:.3f}) = {lb['bound_s']:.3f} s [copies at {bw / 1e9:.1f} GB/s{pinned}"
+          + (f"; disk write {disk['write_Bps'] / 1e9:.2f} GB/s, read {disk['read_Bps'] / 1e9:.2f} GB/s"
+             if disk else "")
           + f"]; overlap efficiency {res['overlap_efficiency']:.3f} (median of pairs; of medians "
           f"{res['overlap_efficiency_of_medians']:.3f})")
-    print(f"peak bytes: device {s['peak_bytes']['device'] / 2**20:.1f} MiB (budget {budget / 2**20:.1f}), "
-          f"host {s['peak_bytes']['host'] / 2**20:.1f} MiB")
+    print(f"peak bytes: device {res['peak_bytes']['device'] / 2**20:.1f} MiB (budget {budget / 2**20:.1f}), "
+          f"host {res['peak_bytes']['host'] / 2**20:.1f} MiB")
+    if cuda:
+        cm = res["cuda_memory"]
+        print(f"cuda memory: max allocated {cm['max_memory_allocated'] / 2**20:.0f} MiB, max reserved "
+              f"{cm['max_memory_reserved'] / 2**20:.0f} MiB (both models), alloc retries "
+              f"{cm['num_alloc_retries']}, pinned host {cm['host_pool_pinned_bytes'] / 2**20:.0f} MiB pool"
+              + (f" + {cm['torch_pinned_peak_bytes'] / 2**20:.0f} MiB torch peak"
+                 if "torch_pinned_peak_bytes" in cm else ""))
+
+
+def run(args) -> dict:
+    """Builds both models, measures, prints and returns the report."""
+    ctx = build(args)
+    m = measure(ctx, args)
+    if ctx["device"].type == "cuda":
+        m["cuda_memory"] = cuda_memory(ctx["model"])
+    model_ref.append(ctx["model"])
+    res = summarize(ctx, m, args)
+    print_report(res, m["s"]["step_bytes_moved"], ctx["budget"])
     return res
 
 
@@ -221,7 +369,7 @@ def budget_sweep(args) -> list:
     """Bytes moved per step for several device budgets (fractions of the compute copy)."""
     rows = []
     gen = torch.Generator().manual_seed(2)
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
     for frac in (0.25, 0.5, 0.75, 1.1):
         model = make_model(args)
         n = sum(p.numel() for p in model.parameters())
@@ -265,6 +413,8 @@ def main() -> int:
     ap.add_argument("--swap-dir", action="append", default=None)
     ap.add_argument("--no-checksum", action="store_true", help="Config.swap_checksum=False (nvme)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--profile", default=None, metavar="PATH",
+                    help="write a torch.profiler trace of one offloaded step (gzipped JSON, under 16 MiB) to PATH")
     ap.add_argument("--json", default="bench-results/bench_train.json")
     args = ap.parse_args()
     print(f"infinity {infinity.__version__}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
