@@ -138,7 +138,9 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     Keys: ``peak_bytes`` and ``budget_bytes`` per tier ("device", "host",
     "nvme"); ``bytes_moved`` per link since initialize ("h2d", "d2h",
     "nvme_read", "nvme_write") and ``step_bytes_moved`` (the last step's);
-    ``stall_seconds`` (compute waiting for data); ``optimizer_seconds`` (inside
+    ``stall_seconds`` (the host waiting for fetches: on CUDA only where the
+    host itself waits) and ``device_stall_seconds`` (compute waiting for
+    fetches, on CUDA timed on the device with events); ``optimizer_seconds`` (inside
     optimizer kernels) and ``optimizer_wait_seconds`` (of that, what step()
     waited for); ``overlap`` (share of optimizer time hidden behind
     forward/backward); ``fetches``, ``prefetches``, ``evictions``, ``steps``,
@@ -158,6 +160,7 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "bytes_moved": dict(s.bytes_moved),
         "step_bytes_moved": dict(s.step_bytes_moved),
         "stall_seconds": s.stall_seconds,
+        "device_stall_seconds": eng.device_stall_seconds(),
         "optimizer_seconds": s.optimizer_seconds,
         "optimizer_wait_seconds": s.optimizer_wait_seconds,
         "overlap": hidden,

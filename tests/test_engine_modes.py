@@ -220,3 +220,41 @@ def test_parse_bytes():
     assert parse_bytes(1234) == 1234
     with pytest.raises(ValueError, match="x"):
         parse_bytes("12 parsecs", "x")
+
+
+def test_default_device_budget_grows_after_the_first_step(monkeypatch):
+    """device_memory=None on CUDA: half the free memory for the first pass,
+    then what the measured pass leaves free (see [Note: the default device
+    budget]). Simulated on the CPU through the engine's two memory probes."""
+    from infinity.engine import core, device_budget
+    eng_cls = core.Engine
+    capacity = device_budget.MARGIN_BYTES + (3 << 20)
+    need_other = 1 << 20  # activations and the rest, as the allocator's peak shows them
+
+    def default_budget(self, minimum):
+        # As if half the free memory were below the minimum: the first pass runs at the minimum.
+        return device_budget.initial_budget(minimum, self._need_all(), minimum), capacity
+
+    monkeypatch.setattr(eng_cls, "_default_device_budget", default_budget)
+    monkeypatch.setattr(eng_cls, "_memory_peak",
+                        lambda self: self.device_tier.arena_bytes + self.device_tier.fixed_bytes + need_other)
+    import copy
+    ref = small_gpt()
+    m, opt = infinity.initialize(copy.deepcopy(ref), cfg(device_memory=None), lr=1e-3, weight_decay=0.1)
+    eng = infinity.api.engine_of(m)
+    first = eng.device_budget
+    assert first == eng.device_minimum() < eng._need_all()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    for x, y in batches(4):
+        loss, rl = m(x, y), ref(x, y)
+        loss.backward()
+        rl.backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert abs(loss.item() - rl.item()) <= 1e-5 * abs(rl.item())
+    grown = min(eng._need_all(), capacity - int(device_budget.HEADROOM * need_other) - device_budget.MARGIN_BYTES)
+    assert first < grown == eng.device_budget == infinity.stats(m)["budget_bytes"]["device"]
+    assert infinity.stats(m)["peak_bytes"]["device"] <= grown
+    assert_params_close(infinity.full_state_dict(m), ref.state_dict())

@@ -31,6 +31,9 @@ class FakeEvent:
     def query(self):
         return True
 
+    def elapsed_time(self, end):
+        return 2.5  # milliseconds
+
 
 class FakeStream:
     def __init__(self, device, name):
@@ -115,7 +118,10 @@ def test_tickets_wait_on_the_movers_device(cuda):
     m = mv.CudaMover(torch.device("cuda", 1))
     t = m.h2d(torch.zeros(4), torch.ones(4), fresh=True)
     t.wait_compute()
-    assert cuda._compute(1).log[-1] == ("wait_event", t.event)
+    log = cuda._compute(1).log
+    # Timed on the device: a timing event on each side of the stream wait, nothing between.
+    assert [k for k, _ in log[-3:]] == ["record", "wait_event", "record"] and log[-2][1] is t.event
+    assert m.stall_clock.seconds() == pytest.approx(2.5e-3)
     assert 0 not in cuda.compute  # device 0's stream was never touched
     t.wait()
     assert t.event.synced
@@ -258,3 +264,40 @@ def test_stage3_gather_waits_for_the_copy_on_a_side_stream(cuda, monkeypatch):
     assert all(w.waits == [None, side] for w in t.works)
     kind, ev = side.log[-1]
     assert kind == "record" and ev.blocking and ev.synced and t.done()
+
+
+def test_gradient_straight_into_the_pinned_buffer_without_staging(cuda, monkeypatch):
+    """Same dtype and nothing to add: one copy on the d2h stream, no pinned
+    staging and no host job; otherwise staging and an upcast on a host thread."""
+    staged = []
+    real_empty = torch.empty
+
+    def empty(*a, **kw):
+        if kw.get("pin_memory"):
+            staged.append(a)
+            kw = dict(kw, pin_memory=False)
+        return real_empty(*a, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    m = mv.CudaMover(torch.device("cuda", 1))
+    g = torch.randn(6, 4, dtype=torch.bfloat16)
+    dst = torch.zeros(24, dtype=torch.bfloat16)
+    t = m.grad_out(dst, g, accumulate=False)
+    assert t.fut is None and not staged and torch.equal(dst, g.reshape(-1))
+    up = torch.zeros(24)
+    t = m.grad_out(up, g, accumulate=False)
+    t.wait()
+    assert staged and torch.equal(up, g.reshape(-1).float())
+    t = m.grad_out(up, g, accumulate=True)  # accumulation always goes through the host
+    t.wait()
+    assert torch.equal(up, 2 * g.reshape(-1).float())
+    m.close()
+
+
+def test_large_upcast_split_over_threads_equals_one_pass(monkeypatch):
+    monkeypatch.setattr(mv, "_CAST_CHUNK", 1000)
+    src = torch.randn(10_000 + 17, dtype=torch.bfloat16)
+    a, b = torch.zeros(src.numel()), torch.ones(src.numel())
+    mv._cast_into(a, src, accumulate=False)
+    mv._cast_into(b, src, accumulate=True)
+    assert torch.equal(a, src.float()) and torch.equal(b, 1 + src.float())

@@ -182,3 +182,50 @@ def test_hf_model_with_unequal_blocks(tmp_path):
         cfg = base_config(offload_params=params, offload_optimizer=params, overlap=overlap, prefetch_depth=0,
                           swap_paths=[str(tmp_path)])
         train_against_torch(T5Loss, budgets(T5Loss, cfg), steps=4)
+
+
+@pytest.mark.parametrize("overlap", ["step", "backward"])
+def test_lagging_copies_change_nothing(tmp_path, monkeypatch, overlap):
+    """Every copy and gradient transfer of the CPU mover finishes late (as a
+    busy device's would): compute must wait for each one, so the numbers are
+    those of plain torch, at the minimum budget with unequal units."""
+    import time
+    from infinity.engine import mover as mv
+
+    def late(fn):
+        def run(*a, **kw):
+            time.sleep(0.002)
+            return fn(*a, **kw)
+        return run
+
+    real_h2d, real_grad = mv.CpuMover.h2d, mv.CpuMover.grad_out
+    monkeypatch.setattr(mv.CpuMover, "h2d", lambda self, dst, src, fresh=False:
+                        mv.FutureTicket(self._h2d.submit(late(dst.copy_), src)))
+    monkeypatch.setattr(mv.CpuMover, "grad_out", lambda self, dst, g, acc:
+                        mv.FutureTicket(self._d2h.submit(late(mv._cast_into), dst, g.reshape(-1), acc)))
+    cfg = base_config(offload_params="nvme", offload_optimizer="nvme", overlap=overlap, prefetch_depth=2,
+                      swap_paths=[str(tmp_path)])
+    train_against_torch(unequal, budgets(unequal, cfg), steps=3)
+    assert real_h2d is not mv.CpuMover.h2d and real_grad is not mv.CpuMover.grad_out
+
+
+def test_backward_on_another_thread_waits_for_the_optimizer_instead_of_failing(tmp_path):
+    """On CUDA, backward hooks run on autograd's device thread, not the main
+    one. A gradient buffer that finds the host pool full must wait for the
+    optimizer's update in flight (which frees buffers) there too, not raise."""
+    import threading
+    cfg = base_config(offload_params="nvme", offload_optimizer="nvme", overlap="backward", prefetch_depth=1,
+                      swap_paths=[str(tmp_path)])
+    cfg = budgets(unequal, cfg)
+    errors = []
+
+    def train():
+        try:
+            train_against_torch(unequal, cfg, steps=3)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=train, name="autograd-like")
+    t.start()
+    t.join()
+    assert not errors, errors

@@ -23,6 +23,7 @@ from ..config import Config, format_bytes
 from ..io.errors import PoolExhausted
 from .mover import DeferredTicket, Ticket, make_mover
 from .nvme import NvmeTier, key as swap_key
+from . import device_budget
 from .saved import SavedTensorRouter
 from .zero import Sharding
 from .state import DeviceState, GradState, transition
@@ -85,7 +86,7 @@ class Engine:
         # backward() calls per step with grad_accumulation_steps=1 then sum
         # in the compute dtype, as torch does for a model in that dtype.
         self.grad_dtype = (self.dtype if config.offload_optimizer != "none" and self.sharding.world == 1
-                           and config.grad_accumulation_steps == 1 else torch.float32)
+                           and config.zero_stage == 0 and config.grad_accumulation_steps == 1 else torch.float32)
         if self.sharding.world > 1:
             desc = {f"config.{k}": v for k, v in config.to_dict().items() if k != "swap_paths"}
             desc.update({f"param {n}": (tuple(p.shape), p.requires_grad)
@@ -178,13 +179,10 @@ class Engine:
         cfg = self.config
         need = self.device_need()
         budget = cfg.device_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _total = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.9)
-            else:
-                budget = need["all_compute"] + need["grad_reserve"] + need["opt_fixed"] + 4096 * len(self.units)
         minimum = self.device_minimum()
+        self._auto_capacity = None  # See [Note: the default device budget]
+        if budget is None:
+            budget, self._auto_capacity = self._default_device_budget(minimum)
         if budget < minimum:
             biggest = max(self.units[1:], key=self._compute_bytes, default=self.units[0])
             raise BudgetError(
@@ -196,10 +194,7 @@ class Engine:
                 + (f" and {need['opt_fixed']} bytes of optimizer state on the device" if need["opt_fixed"] else "")
                 + ". Raise device_memory, lower prefetch_depth, or split the model into smaller units "
                   "(Config.unit_classes)")
-        arena = min(budget - need["grad_reserve"] - need["opt_fixed"],
-                    need["all_compute"] + 512 * len(self.units))
-        self.device_tier = DeviceTier(self.device, budget, arena, need["grad_reserve"], need["opt_fixed"])
-        self.device_budget = budget
+        self._make_device_tier(budget)
 
         # Host buffers. Permanent: homes of host-resident state (compute copy,
         # optimizer state, the delayed mode's second buffers). With NVMe homes
@@ -297,6 +292,55 @@ class Engine:
                     if nb.is_floating_point():
                         nb = nb.to(self.dtype)
                     mod._buffers[name] = nb
+
+    def _need_all(self) -> int:
+        """Device bytes with every unit resident (what a budget beyond buys nothing)."""
+        need = self.device_need()
+        return need["all_compute"] + need["grad_reserve"] + need["opt_fixed"] + 512 * (len(self.units) + 1)
+
+    def _make_device_tier(self, budget: int) -> None:
+        need = self.device_need()
+        arena = min(budget - need["grad_reserve"] - need["opt_fixed"],
+                    need["all_compute"] + 512 * (len(self.units) + 1))
+        self.device_tier = DeviceTier(self.device, budget, arena, need["grad_reserve"], need["opt_fixed"])
+        self.device_budget = budget
+
+    def _default_device_budget(self, minimum: int) -> Tuple[int, Optional[int]]:
+        """(budget, capacity to grow into or None) for ``device_memory=None``
+        (see [Note: the default device budget])."""
+        need_all = self._need_all()
+        if self.device.type != "cuda":
+            return need_all, None  # the CPU "device" is RAM: no budget unless one is given
+        free, _total = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if self.params_on_device:
+            return max(minimum, int(free * 0.9)), None  # nothing pages: the arena holds every unit anyway
+        torch.cuda.reset_peak_memory_stats(self.device)  # the peak read after the first step is ours
+        return device_budget.initial_budget(free, need_all, minimum), free
+
+    def _memory_peak(self) -> int:
+        """The device allocator's peak bytes since initialize (CUDA)."""
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def after_step(self) -> None:
+        """Called at the end of every optimizer step: the first one, with the
+        default budget, grows the device budget to what the pass left free
+        (see [Note: the default device budget])."""
+        cap, self._auto_capacity = self._auto_capacity, None
+        if cap is None or any(u.device_state is not DeviceState.ABSENT for u in self.units if not u.permanent):
+            return
+        tier = self.device_tier
+        new = device_budget.grown_budget(cap, self._memory_peak(), tier.arena_bytes + tier.fixed_bytes,
+                                         self.device_budget, self._need_all())
+        if new is None:
+            return
+        peak = tier.peak_bytes
+        self.device_tier = None
+        del tier  # the old arena goes before the new one is allocated
+        self._make_device_tier(new)
+        self.device_tier.peak_bytes = max(self.device_tier.peak_bytes, peak)
+        if self.saved is not None:
+            self.saved.rebind()
 
     def home_compute_numel(self, u: Unit) -> int:
         """Elements of ``u``'s home compute copy on this rank (its shard under ZeRO-3)."""
@@ -562,6 +606,13 @@ class Engine:
             self._attach_params(u)
         finally:
             self._internal -= 1
+
+    def device_stall_seconds(self) -> float:
+        """Seconds compute on the device waited for fetches: on CUDA from
+        timing events around each stream wait (the host never blocks there),
+        on the CPU the host's own waits."""
+        clock = getattr(self.mover, "stall_clock", None)
+        return clock.seconds() if clock is not None else self.stats.stall_seconds
 
     def _wait_fetch(self, u: Unit) -> None:
         if u.device_state is DeviceState.FETCHING:

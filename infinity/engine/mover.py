@@ -50,6 +50,16 @@ Events that only streams wait on (release markers, the "ready" mark before a
 device-to-host copy) keep the default flags: the flag changes nothing for
 cudaStreamWaitEvent.
 
+[Note: a gradient's way to the host]
+Gradients cross one parameter at a time, as autograd finishes them. Where
+the host buffer has the gradient's dtype and nothing is accumulated (see
+[Note: gradients in the compute dtype] in core.py), the copy goes straight
+from the device into the pinned host buffer on the copy stream: no staging,
+no host-side pass. Otherwise it lands in pinned staging and a host thread
+upcasts or adds it into the fp32 buffer, large gradients split into chunks
+over a few threads (``_cast_into``): a single thread upcasting a 7 B model's
+14 GB of bf16 gradients per step would take seconds.
+
 [Note: gradient copies keep their source alive]
 A gradient leaves the device as soon as autograd has accumulated it. The job
 holds a reference to the gradient tensor (or to any other device-to-host
@@ -107,13 +117,44 @@ class FutureTicket(Ticket):
         self.fut.result()
 
 
-class CudaTicket(Ticket):
-    __slots__ = ("event", "device", "fut")
+class StallClock:
+    """GPU time the compute stream spent waiting for copies: a timing event
+    just before and just after each ``wait_event`` (nothing runs between
+    them but the wait). Read without a sync: pairs not yet executed are
+    counted by a later :meth:`seconds`."""
 
-    def __init__(self, event, device: torch.device, fut: Optional[Future] = None):
+    def __init__(self) -> None:
+        self._pending: list = []
+        self._seconds = 0.0
+
+    def wait(self, stream, event) -> None:
+        a = torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        stream.wait_event(event)
+        b = torch.cuda.Event(enable_timing=True)
+        b.record(stream)
+        self._pending.append((a, b))
+
+    def seconds(self) -> float:
+        """Seconds of stream waits that have executed so far."""
+        pending, self._pending = self._pending, []
+        for a, b in pending:
+            if b.query():
+                self._seconds += a.elapsed_time(b) / 1e3
+            else:
+                self._pending.append((a, b))
+        return self._seconds
+
+
+class CudaTicket(Ticket):
+    __slots__ = ("event", "device", "fut", "clock")
+
+    def __init__(self, event, device: torch.device, fut: Optional[Future] = None,
+                 clock: Optional[StallClock] = None):
         self.event = event    # blocking: see [Note: events the host waits on]
         self.device = device  # See [Note: the mover's device]
         self.fut = fut        # host-side follow-up job, if any
+        self.clock = clock    # times compute's wait (fetches)
 
     def done(self) -> bool:
         return self.event.query() and (self.fut is None or self.fut.done())
@@ -124,7 +165,11 @@ class CudaTicket(Ticket):
             self.fut.result()
 
     def wait_compute(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
+        stream = torch.cuda.current_stream(self.device)
+        if self.clock is not None:
+            self.clock.wait(stream, self.event)
+        else:
+            stream.wait_event(self.event)
         if self.fut is not None:
             self.fut.result()
 
@@ -195,6 +240,36 @@ def _noop() -> None:
     return None
 
 
+_CAST_CHUNK = 1 << 20  # elements per piece of a split upcast
+_CAST_THREADS = 4
+_cast_pool: Optional[ThreadPoolExecutor] = None
+
+
+def _cast_piece(dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        dst.add_(src)
+    else:
+        dst.copy_(src)
+
+
+def _cast_into(dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
+    """``dst (+)= src`` (1-D, same numel, any dtypes), split into chunks over
+    a few single-threaded workers when large (see [Note: a gradient's way to
+    the host]). Called from one worker thread at a time per ``dst``."""
+    global _cast_pool
+    n = src.numel()
+    if n < 2 * _CAST_CHUNK:
+        _cast_piece(dst, src, accumulate)
+        return
+    if _cast_pool is None:
+        _cast_pool = ThreadPoolExecutor(_CAST_THREADS, thread_name_prefix="infinity-cast",
+                                        initializer=_worker_init)
+    futs = [_cast_pool.submit(_cast_piece, dst[a:a + _CAST_CHUNK], src[a:a + _CAST_CHUNK], accumulate)
+            for a in range(0, n, _CAST_CHUNK)]
+    for f in futs:
+        f.result()
+
+
 def _drain(*executors: ThreadPoolExecutor) -> None:
     """Waits, executor by executor in the order given, until each has run
     everything submitted to it before (one worker each, so FIFO). Earlier
@@ -236,8 +311,7 @@ class CpuMover:
         See [Note: gradient copies keep their source alive].
         """
         src = dev_grad.reshape(-1)
-        fn = host_dst.add_ if accumulate else host_dst.copy_
-        return FutureTicket(self._d2h.submit(fn, src))
+        return FutureTicket(self._d2h.submit(_cast_into, host_dst, src, accumulate))
 
     def host_job(self, fn: Callable[[], None]) -> Ticket:
         """Runs ``fn`` on the host worker thread (optimizer work)."""
@@ -271,6 +345,7 @@ class CudaMover:
         self._grad = _executor("infinity-grad")
         self._chain = _executor("infinity-chain")
         self._last_release = None
+        self.stall_clock = StallClock()  # See Engine.device_stall_seconds
 
     def chain(self, first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
         """Runs ``first`` (a host-side wait, e.g. an NVMe read) then issues ``then``'s copy."""
@@ -299,7 +374,7 @@ class CudaMover:
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event(blocking=True)  # See [Note: events the host waits on]
             ev.record(self._h2d_stream)
-        return CudaTicket(ev, self.device)
+        return CudaTicket(ev, self.device, clock=self.stall_clock)
 
     def _issue_d2h(self, dst: torch.Tensor, src: torch.Tensor):
         """Issues ``dst.copy_(src)`` on the d2h stream after the compute queued so far; its event."""
@@ -318,19 +393,19 @@ class CudaMover:
         return CudaTicket(self._issue_d2h(dst, src), self.device)
 
     def grad_out(self, host_dst: torch.Tensor, dev_grad: torch.Tensor, accumulate: bool) -> Ticket:
-        """Moves one gradient to the host: ``host_dst (+)= dev_grad``, through pinned staging."""
-        # Device -> pinned staging on the copy stream, then the fp32 upcast or
-        # accumulation on a host thread once the copy's event completes.
+        """Moves one gradient to the host: ``host_dst (+)= dev_grad`` (see
+        [Note: a gradient's way to the host])."""
         src = dev_grad.reshape(-1)
+        if not accumulate and host_dst.dtype == src.dtype:
+            return CudaTicket(self._issue_d2h(host_dst, src), self.device)  # straight into the pinned buffer
+        # Device -> pinned staging on the copy stream, then the upcast or the
+        # accumulation on host threads once the copy's event completes.
         staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
         ev = self._issue_d2h(staging, src)
 
         def finish() -> None:
             ev.synchronize()
-            if accumulate:
-                host_dst.add_(staging)
-            else:
-                host_dst.copy_(staging)
+            _cast_into(host_dst, staging, accumulate)
 
         return CudaTicket(ev, self.device, self._grad.submit(finish))
 

@@ -76,6 +76,9 @@ class InfinityOptimizer(torch.optim.Optimizer):
         self._stepped_early: Dict[int, bool] = {}   # units updated during backward this step
         self._closing = False                        # this backward ran last-window work (see the Note)
         self._reducing: List[Unit] = []              # stages 2-3: full gradients still being reduced
+        # Gradients go through a reduction under data parallelism, and under
+        # any ZeRO stage even for one rank: it fills the shard the update reads.
+        self._needs_reduce = engine.sharding.world > 1 or engine.zero > 0
         self._root_prefetch = None                   # host job reading the root's state ahead (NVMe)
         self._pending: List = []                     # delayed mode: updates in flight
         self._pending_units: List[Unit] = []
@@ -135,8 +138,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
     def _on_unit_grads(self, u: Unit) -> None:
         eng = self.engine
         last = eng.micro_batches + 1 == eng.config.grad_accumulation_steps
-        dp = eng.sharding.world > 1
-        if dp and eng.zero != 1 and last and u.trainable_numel and not u.grad_reduced:
+        if self._needs_reduce and eng.zero != 1 and last and u.trainable_numel and not u.grad_reduced:
             self._closing = True  # See [Note: the accumulation window]
             self._reduce(u)  # in program order on every rank
         early = (self.overlap == "backward" and self.max_grad_norm is None and not self.fp16
@@ -224,6 +226,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
             self._step_now()
         eng.micro_batches = 0
         eng.window_closed = self._closing = False
+        eng.after_step()
         eng.stats.end_step_window()
         return loss
 
@@ -288,7 +291,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
                 u.opt_ticket = None
         eng.stats.optimizer_wait_seconds += time.perf_counter() - t0
         eng.drain_grads()
-        if eng.sharding.world > 1:
+        if self._needs_reduce:
             for u in eng.units:  # same order on every rank
                 if u.trainable_numel and not u.grad_reduced and u.index not in self._stepped_early:
                     self._reduce(u)

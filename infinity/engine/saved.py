@@ -78,12 +78,17 @@ class SavedTensorRouter:
 
     def __init__(self, engine):
         self.engine = engine
-        arena = engine.device_tier.arena
+        self._stack: list = []  # per push: the hooks that were on top before (or None)
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Follows the engine to a new arena (the device budget grew); saved
+        references are places in units, so they stay valid."""
+        arena = self.engine.device_tier.arena
         self._lo = arena.data_ptr()
         self._hi = self._lo + arena.numel()
         self._arena = arena
         self._views: Dict[torch.dtype, torch.Tensor] = {}
-        self._stack: list = []  # per push: the hooks that were on top before (or None)
 
     # -- context --------------------------------------------------------------------
 
