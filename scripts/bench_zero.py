@@ -49,11 +49,12 @@ def main() -> int:
                          "units again for backward)")
     ap.add_argument("--json", default="bench-results/bench_zero.json")
     args = ap.parse_args()
-    backend = "nccl" if args.device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend)
+    cuda = args.device.startswith("cuda")
+    if cuda:  # before anything touches CUDA (docs/distributed.md)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # NCCL for device tensors; infinity adds a gloo group for its host tensors.
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.device.startswith("cuda"):
-        torch.cuda.set_device(rank % torch.cuda.device_count())
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     rows = []
     minimum = None
@@ -73,7 +74,7 @@ def main() -> int:
         if stage == 3 and minimum is None:
             minimum = infinity.api.engine_of(model).device_minimum()
         gen = torch.Generator().manual_seed(rank)
-        x = torch.randint(0, 4096, (args.batch, args.seq), generator=gen)
+        x = torch.randint(0, 4096, (args.batch, args.seq), generator=gen).to(infinity.api.engine_of(model).device)
         times = []
         for i in range(args.steps + 1):
             dist.barrier()
@@ -98,7 +99,7 @@ def main() -> int:
     everyone = [None] * world
     dist.all_gather_object(everyone, rows)
     if rank == 0:
-        print(f"{world} ranks, {backend}, {rows[0]['params'] / 1e6:.1f} M params (psi = {4 * rows[0]['params'] / 2**20:.0f} MiB fp32)")
+        print(f"{world} ranks, {dist.get_backend()}, {rows[0]['params'] / 1e6:.1f} M params (psi = {4 * rows[0]['params'] / 2**20:.0f} MiB fp32)")
         print(f"{'stage':>5} {'rank':>4} {'step s':>7} {'master':>7} {'moments':>8} {'grads':>6} {'comm/step':>10} {'x theory':>8} {'host peak MiB':>13}")
         for rr in everyone:
             for r in rr:

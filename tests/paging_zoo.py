@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import infinity
-from engine_utils import assert_params_close
+from engine_utils import assert_params_close, min_device_budget
 
 D = 16
 UNEQUAL = [64, 8, 32, 8, 64, 16, 8, 32]
@@ -171,17 +171,18 @@ def base_config(**kw) -> dict:
 
 def minimum(model: nn.Module, tier: str, **cfg) -> int:
     """The engine's own minimum ``device_memory`` or ``host_memory`` (bytes)
-    for ``model`` under ``cfg``, read from the BudgetError a budget of 1 byte gets."""
-    cfg = dict(cfg, **{f"{tier}_memory": 1})
-    if tier == "host":
-        cfg.setdefault("device_memory", 64 << 20)
+    for ``model`` under ``cfg``, read from the BudgetError a budget of 1 byte
+    gets; 0 when the host holds nothing under ``cfg``."""
+    if tier == "device":
+        return min_device_budget(lambda: copy.deepcopy(model), **cfg)
+    cfg = dict(cfg, host_memory=1)
+    cfg.setdefault("device_memory", 64 << 20)
     try:
         m, _ = infinity.initialize(copy.deepcopy(model), infinity.Config(**cfg))
     except infinity.BudgetError as e:
-        pattern = r"at least (\d+) bytes" if tier == "device" else r"needs (\d+) bytes"
-        return int(re.search(pattern, str(e)).group(1))
+        return int(re.search(r"needs (\d+) bytes", str(e)).group(1))
     infinity.close(m)
-    return 0  # nothing of this tier is needed
+    return 0
 
 
 def train_against_torch(model_fn: Callable[[], nn.Module], cfg: dict, steps: int = 4, *, calls: int = 1,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import infinity
-from paging_zoo import ZOO, base_config, make, minimum, train_against_torch, unequal
+from paging_zoo import ZOO, Chain, base_config, make, minimum, train_against_torch, unequal
 
 PLACEMENTS = [(p, o) for p, o in itertools.product(["none", "host", "nvme"], ["none", "host", "nvme"])
               if not (p == "nvme" and o == "none")]
@@ -209,19 +209,30 @@ def test_lagging_copies_change_nothing(tmp_path, monkeypatch, overlap):
     assert real_h2d is not mv.CpuMover.h2d and real_grad is not mv.CpuMover.grad_out
 
 
-def test_backward_on_another_thread_waits_for_the_optimizer_instead_of_failing(tmp_path):
+def test_backward_on_another_thread_waits_for_the_optimizer_instead_of_failing(tmp_path, monkeypatch):
     """On CUDA, backward hooks run on autograd's device thread, not the main
     one. A gradient buffer that finds the host pool full must wait for the
-    optimizer's update in flight (which frees buffers) there too, not raise."""
+    optimizer's update in flight (which frees buffers) there too, not raise
+    (main at 5147b56 raised BudgetError: "nothing left to evict")."""
     import threading
-    cfg = base_config(offload_params="nvme", offload_optimizer="nvme", overlap="backward", prefetch_depth=1,
+    import time
+    from infinity.engine.optimizer import InfinityOptimizer
+    real = InfinityOptimizer._unit_step
+
+    def slow(self, *a, **kw):  # updates hold their buffers a while
+        time.sleep(0.02)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(InfinityOptimizer, "_unit_step", slow)
+    model_fn = lambda: Chain([32] * 8)  # noqa: E731
+    cfg = base_config(offload_params="host", offload_optimizer="nvme", overlap="backward", prefetch_depth=1,
                       swap_paths=[str(tmp_path)])
-    cfg = budgets(unequal, cfg)
+    cfg = budgets(model_fn, cfg)
     errors = []
 
     def train():
         try:
-            train_against_torch(unequal, cfg, steps=3)
+            train_against_torch(model_fn, cfg, steps=3)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
