@@ -117,8 +117,7 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
     if not groups[0]["params"]:
         raise ValueError("initialize: the model has no trainable parameters")
     optimizer = InfinityOptimizer(engine, groups, defaults)
-    engine.hooks = install_hooks(engine, optimizer._on_unit_grads, optimizer._on_backward_end)
-    engine.optimizer = optimizer
+    engine.attach(optimizer, install_hooks(engine))
     _ENGINES[model] = engine
     return model, optimizer
 
@@ -148,7 +147,7 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     """
     eng = engine_of(model)
     s = eng.stats
-    opt = getattr(eng, "optimizer", None)
+    opt = eng.optimizer
     hidden = 0.0
     if s.optimizer_seconds > 0 and eng.config.overlap != "step":
         hidden = max(0.0, 1.0 - s.optimizer_wait_seconds / s.optimizer_seconds)
@@ -172,25 +171,11 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "trace_invalidations": s.trace_invalidations,
         "units": len(eng.units),
         "loss_scale": opt.loss_scale if opt is not None else 1.0,
-        "state_bytes": _state_bytes(eng),
-        "zero_stage": eng.zero,
+        "state_bytes": eng.state_bytes(),
+        "zero_stage": eng.modes.zero,
         "world_size": eng.sharding.world,
         "host_pinned": eng.host_tier.pinned,
     }
-
-
-def _state_bytes(eng: Engine) -> Dict[str, int]:
-    """Bytes this rank keeps for good per kind of optimizer state (host or
-    device), excluding transient buffers: the ZeRO 1/N shares."""
-    out = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0, "grad": 0}
-    for u in eng.units:
-        for kind in ("master", "exp_avg", "exp_avg_sq"):
-            t = getattr(u, kind)
-            if t is not None:
-                out[kind] += t.numel() * t.element_size()
-        for t in ({u.grad_shard} if eng.zero >= 2 else {u.grad, u.grad_shard}) - {None}:
-            out["grad"] += t.numel() * t.element_size()
-    return out
 
 
 @torch.no_grad()
@@ -200,10 +185,8 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     frozen ones from their compute copy (as fp32), buffers as they are. In
     delayed mode the queued update is applied first."""
     eng = engine_of(model)
-    opt = getattr(eng, "optimizer", None)
-    if opt is not None:
-        opt.flush()
-    eng.drain_grads()
+    eng.optimizer.flush()
+    eng.grads.drain()
     out: Dict[str, torch.Tensor] = {}
     cache: dict = {}
     for key, value in model.state_dict(keep_vars=True).items():
@@ -215,7 +198,7 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
         s = u.layout.slots[i]
         sl = slice(s.offset, s.offset + s.numel)
         if (u.index, s.trainable) not in cache:
-            cache = {(u.index, s.trainable): eng.read_kind(u, "master" if s.trainable else "compute")}
+            cache = {(u.index, s.trainable): eng.read(u, "master" if s.trainable else "compute")}
         t = cache[(u.index, s.trainable)][sl]
         out[key] = t.detach().to("cpu", torch.float32, copy=True).view(s.shape)
     return out

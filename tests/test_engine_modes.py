@@ -67,16 +67,19 @@ def test_budgets_held_and_analytic_bound(depth):
     eng = infinity.api.engine_of(m)
     need = eng.device_need()
     slack = 512 * (len(eng.units) + 1)  # per-range alignment, and the arena rounded down
-    minimum = need["arena_min"] + need["grad_reserve"] + slack
+    minimum = need.arena_min + need.grad_reserve + slack
+    assert minimum == eng.device_minimum()
     # Now at the smallest budget the engine accepts.
     model2 = small_gpt()
     m2, opt2 = infinity.initialize(model2, cfg(prefetch_depth=depth, device_memory=minimum))
     train_steps(m2, opt2, 6)
     s = infinity.stats(m2)
     assert s["peak_bytes"]["device"] <= minimum == s["budget_bytes"]["device"]
-    assert s["peak_bytes"]["device"] >= need["arena_min"] - 2 * UB  # the budget was used, not idle
-    host_need = sum(b.capacity for b in infinity.api.engine_of(m2).host_tier._buffers)
-    assert s["peak_bytes"]["host"] == host_need <= s["budget_bytes"]["host"]
+    assert s["peak_bytes"]["device"] >= need.arena_min - 2 * UB  # the budget was used, not idle
+    from infinity.engine.placement import host_need
+    e2 = infinity.api.engine_of(m2)
+    permanent = host_need([u.place for u in e2.units], e2.modes).permanent
+    assert s["peak_bytes"]["host"] == permanent <= s["budget_bytes"]["host"]
 
 
 def test_bytes_moved_fall_as_budget_grows():
@@ -117,11 +120,11 @@ def test_bf16_trains_and_loss_falls():
         opt.zero_grad()
     assert losses[-1] < losses[0] - 0.5, losses
     eng = infinity.api.engine_of(m)
-    assert eng.units[1].host_compute.dtype == torch.bfloat16
+    assert eng.units[1].host.compute.dtype == torch.bfloat16
     # The bf16 compute copy is the rounded fp32 master.
     u = eng.units[1]
     n = u.trainable_numel
-    assert torch.equal(u.host_compute[:n], u.master.to(torch.bfloat16))
+    assert torch.equal(u.host.compute[:n], u.opt.master.to(torch.bfloat16))
 
 
 def test_fp16_dynamic_loss_scale_skips_overflow():
@@ -233,7 +236,7 @@ def test_default_device_budget_grows_after_the_first_step(monkeypatch):
 
     def default_budget(self, minimum):
         # As if half the free memory were below the minimum: the first pass runs at the minimum.
-        return device_budget.initial_budget(minimum, self._need_all(), minimum), capacity
+        return device_budget.initial_budget(minimum, self.device_need().everything, minimum), capacity
 
     monkeypatch.setattr(eng_cls, "_default_device_budget", default_budget)
     monkeypatch.setattr(eng_cls, "_memory_peak",
@@ -243,7 +246,7 @@ def test_default_device_budget_grows_after_the_first_step(monkeypatch):
     m, opt = infinity.initialize(copy.deepcopy(ref), cfg(device_memory=None), lr=1e-3, weight_decay=0.1)
     eng = infinity.api.engine_of(m)
     first = eng.device_budget
-    assert first == eng.device_minimum() < eng._need_all()
+    assert first == eng.device_minimum() < eng.device_need().everything
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
     for x, y in batches(4):
         loss, rl = m(x, y), ref(x, y)
@@ -254,7 +257,7 @@ def test_default_device_budget_grows_after_the_first_step(monkeypatch):
         opt.zero_grad()
         ref_opt.zero_grad()
         assert abs(loss.item() - rl.item()) <= 1e-5 * abs(rl.item())
-    grown = min(eng._need_all(), capacity - int(device_budget.HEADROOM * need_other) - device_budget.MARGIN_BYTES)
+    grown = min(eng.device_need().everything, capacity - int(device_budget.HEADROOM * need_other) - device_budget.MARGIN_BYTES)
     assert first < grown == eng.device_budget == infinity.stats(m)["budget_bytes"]["device"]
     assert infinity.stats(m)["peak_bytes"]["device"] <= grown
     assert_params_close(infinity.full_state_dict(m), ref.state_dict())

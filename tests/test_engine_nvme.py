@@ -18,7 +18,7 @@ def state_swap_bytes(eng, grads: bool = False) -> int:
     """Bytes of optimizer state one step reads (or writes) from NVMe: master
     and moments, 4 bytes an element each, less the master where it is the
     compute copy (see [Note: fp32 master aliasing]); plus spilled gradients."""
-    return sum(4 * u.trainable_numel * (3 - eng.master_is_compute(u) + grads) for u in eng.units)
+    return sum(4 * u.trainable_numel * (3 - u.place.aliased + grads) for u in eng.units)
 
 
 def cfg(tmp_path, paths=1, **kw) -> infinity.Config:
@@ -65,19 +65,19 @@ def test_nvme_fp32_master_is_the_compute_copy_unless_frozen_or_bf16(tmp_path, ov
 
     model, _, _, _ = train_pair(make, cfg(tmp_path, overlap=overlap, host_memory=60 * UB), steps=8)
     eng = infinity.api.engine_of(model)
-    aliased = [eng.master_is_compute(u) for u in eng.units]
+    aliased = [u.place.aliased for u in eng.units]
     assert any(aliased) and not all(aliased)
     for u in eng.units:
         if u.trainable_numel:
-            assert eng.master_is_compute(u) == (len(u.layout.trainable_slots) == len(u.layout.slots))
-            assert ((u.index, "master") in eng.nvme) != eng.master_is_compute(u)  # one extent, not two
+            assert u.place.aliased == (len(u.layout.trainable_slots) == len(u.layout.slots))
+            assert ((u.index, "master") in eng.nvme) != u.place.aliased  # one extent, not two
     s = infinity.stats(model)
     grads = overlap == "step"  # spilled during backward, read back in step()
     assert s["step_bytes_moved"]["nvme_read"] == state_swap_bytes(eng, grads)  # every compute copy cached
     infinity.api.close(model)
     bf = cfg(tmp_path / "bf16", dtype="bf16", overlap=overlap)
     m, _ = infinity.initialize(small_gpt(), bf)
-    assert not any(infinity.api.engine_of(m).master_is_compute(u) for u in infinity.api.engine_of(m).units)
+    assert not any(u.place.aliased for u in infinity.api.engine_of(m).units)
     infinity.api.close(m)
 
 
@@ -120,7 +120,7 @@ def test_nvme_update_passes_its_sums_to_the_store(tmp_path, monkeypatch, overlap
     assert any(kind == "master" for kind, _ in state) == frozen
     assert not any(given for key, given in seen if key[1] == "grad")
     eng = infinity.api.engine_of(model)
-    aliased = {u.index for u in eng.units if eng.master_is_compute(u)}
+    aliased = {u.index for u in eng.units if u.place.aliased}
     assert len(aliased) == len(eng.units) - frozen
     compute = [(key[0], given) for key, given in seen if key[1] == "compute"]
     assert any(given for _, given in compute)  # evicted after an update
@@ -170,6 +170,7 @@ def test_nvme_read_ahead_optimizer_state_gives_way(tmp_path):
     """When nothing else is left to free, a host buffer needed now takes the
     memory of an optimizer state read ahead (opt_prefetch) and not yet used;
     its update reads the state again and training still matches PyTorch."""
+    from infinity.engine.state import OptState
     from infinity.io.errors import PoolExhausted
 
     def between(model, ref, step):
@@ -177,10 +178,10 @@ def test_nvme_read_ahead_optimizer_state_gives_way(tmp_path):
             return
         eng = infinity.api.engine_of(model)
         root, other = eng.units[0], eng.units[1]
-        assert eng.opt_prefetch(root) and root.opt_pending is not None
+        assert eng.optstate.read_ahead(root) and root.opt.state is OptState.READING_AHEAD
         held = []
-        with eng._host_lock:
-            while eng._evict_cached(None) or eng._release_deferred(block=True):
+        with eng.cache.lock:
+            while eng.cache.evict_one(None) or eng.cache.release_finished(block=True):
                 pass
             size = 1 << 30
             while size >= 4096:  # fill what is left of the pool
@@ -188,11 +189,11 @@ def test_nvme_read_ahead_optimizer_state_gives_way(tmp_path):
                     held.append(eng.host_tier.acquire(size, torch.uint8)[1])
                 except PoolExhausted:
                     size //= 2
-            t, buf = eng._host_acquire(eng.state_numel(root), torch.float32, protect=other)
-            assert root.opt_pending is None and root.opt_bufs == [] and root.exp_avg is None
+            t, buf = eng.cache.acquire(root.place.state_numel, torch.float32, protect=other)
+            assert root.opt.state is OptState.HOME and root.opt.bufs == [] and root.opt.exp_avg is None
             held.append(buf)
         for b in held:
-            eng.host_tier.release(b)
+            eng.cache.release(b)
 
     model, _, _, _ = train_pair(small_gpt, cfg(tmp_path, host_memory=30 * UB), steps=4, between=between)
     infinity.api.close(model)

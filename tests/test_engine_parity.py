@@ -68,7 +68,7 @@ def test_frozen_block():
     model, opt, _, _ = train_pair(make, cfg(offload_params="host"), steps=10)
     eng = infinity.api.engine_of(model)
     unit = next(u for u in eng.units if u.name == "blocks.2")
-    assert unit.trainable_numel == 0 and unit.master is None  # paged, but no optimizer state
+    assert unit.trainable_numel == 0 and unit.opt.master is None  # paged, but no optimizer state
 
 
 @pytest.mark.parametrize("overlap", ["step", "backward"])

@@ -216,14 +216,14 @@ def test_backward_on_another_thread_waits_for_the_optimizer_instead_of_failing(t
     (main at 5147b56 raised BudgetError: "nothing left to evict")."""
     import threading
     import time
-    from infinity.engine.optimizer import InfinityOptimizer
-    real = InfinityOptimizer._unit_step
+    from infinity.engine.update import Updater
+    real = Updater.run
 
     def slow(self, *a, **kw):  # updates hold their buffers a while
         time.sleep(0.02)
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(InfinityOptimizer, "_unit_step", slow)
+    monkeypatch.setattr(Updater, "run", slow)
     model_fn = lambda: Chain([32] * 8)  # noqa: E731
     cfg = base_config(offload_params="host", offload_optimizer="nvme", overlap="backward", prefetch_depth=1,
                       swap_paths=[str(tmp_path)])

@@ -25,7 +25,7 @@ other, whose pin lasts until the module's backward is done (see ``_make_pre``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.nn as nn
@@ -51,11 +51,8 @@ def _in_backward() -> bool:
 def _internally(eng: Engine, fn, *args) -> None:
     """Runs an engine call that touches parameters itself, unseen by the
     recording pass's watcher."""
-    eng._internal += 1
-    try:
+    with eng.quiet:
         fn(*args)
-    finally:
-        eng._internal -= 1
 
 
 def _grad_tensors(obj: Any) -> List[torch.Tensor]:
@@ -75,10 +72,10 @@ class _Watcher(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         eng = self.engine
-        if not eng._internal and getattr(func, "__name__", "") not in _METADATA:
+        if not eng.quiet.active and getattr(func, "__name__", "") not in _METADATA:
             for a in _params_in(args, kwargs):
                 hit = eng.param_slot.get(id(a))
-                if hit is not None and hit[0].pins == 0:
+                if hit is not None and hit[0].dev.pins == 0:
                     eng.note_external_use(hit[0])
         return func(*args, **kwargs)
 
@@ -96,11 +93,8 @@ def _params_in(args, kwargs):
 class Hooks:
     """Installed hooks of one engine (removable)."""
 
-    def __init__(self, engine: Engine, on_unit_grads: Callable[[Unit], None],
-                 on_backward_end: Callable[[], None]):
+    def __init__(self, engine: Engine):
         self.engine = engine
-        self.on_unit_grads = on_unit_grads
-        self.on_backward_end = on_backward_end
         self.handles: List[Any] = []
         self._watcher: Optional[_Watcher] = None
         eng = engine
@@ -138,7 +132,7 @@ class Hooks:
             w, self._watcher = self._watcher, None
             w.__exit__(None, None, None)
         outs = _grad_tensors(output)
-        if eng._pass_grad and outs:
+        if eng.pass_grad and outs:
             fired = [False]
 
             def at_backward_start(grads):
@@ -152,10 +146,7 @@ class Hooks:
         return None
 
     def _backward_done(self) -> None:
-        eng = self.engine
-        eng.end_pass()
-        eng.micro_batches += 1
-        self.on_backward_end()
+        self.engine.backward_done()
 
     # -- units ------------------------------------------------------------------------
 
@@ -171,7 +162,7 @@ class Hooks:
                 # forward hook, which an early-stopping recomputation never runs.
                 eng.begin_recompute(u)
             grad = torch.is_grad_enabled()
-            pushed = bool(grad and not in_bwd and eng.saved is not None and not u.external and eng.saved.push())
+            pushed = bool(grad and not in_bwd and eng.saved is not None and not u.dev.external and eng.saved.push())
             self._calls.append((module, not in_bwd, pushed))
             if grad:
                 ins = _grad_tensors(args)
@@ -213,11 +204,9 @@ class Hooks:
             eng = self.engine
             eng.settle()
             _internally(eng, eng.on_grad, u, ti, p)
-            if u.grads_pending == 0:
-                self.on_unit_grads(u)
         return hook
 
 
-def install_hooks(engine: Engine, on_unit_grads, on_backward_end) -> Hooks:
+def install_hooks(engine: Engine) -> Hooks:
     """Installs every hook of [Note: what each hook does]; returns the handle set."""
-    return Hooks(engine, on_unit_grads, on_backward_end)
+    return Hooks(engine)

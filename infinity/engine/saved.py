@@ -143,10 +143,10 @@ class SavedTensorRouter:
         base = t._base if t._base is not None else t
         hit = eng.param_slot.get(id(base))
         u = hit[0] if hit is not None else eng.unit_at(ptr - self._lo)
-        if u is None or u.dev_range is None:
+        if u is None or u.dev.range is None:
             raise RuntimeError(f"infinity: a tensor saved for backward lies in the device arena at byte "
                                f"{ptr - self._lo} but in no resident unit (internal error)")
-        offset = ptr - self._lo - u.dev_range
+        offset = ptr - self._lo - u.dev.range
         param = base if hit is not None else None
         return ArenaRef(u, offset, t, param, param._version if param is not None else 0)
 
@@ -160,4 +160,4 @@ class SavedTensorRouter:
         if view is None:
             view = self._views[ref.dtype] = self._arena.view(ref.dtype)
         item = view.element_size()
-        return view.as_strided(ref.size, ref.stride, (u.dev_range + ref.offset) // item)
+        return view.as_strided(ref.size, ref.stride, (u.dev.range + ref.offset) // item)

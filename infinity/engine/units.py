@@ -12,9 +12,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from .state import DeviceState, GradState
 
-__all__ = ["Slot", "Layout", "Unit", "partition"]
+__all__ = ["Slot", "Layout", "Unit", "partition", "build_units"]
 
 # Each parameter starts on a multiple of this many elements: 128 bytes of
 # fp32, so vector loads in the kernels and copies start on cache lines.
@@ -78,62 +77,22 @@ class Layout:
 class Unit:
     """A group of parameters that moves between tiers together.
 
-    Buffers (all flat, 1-D):
-        host_compute   compute dtype, ``layout.numel``: home copy (when not on device)
-        dev_compute    compute dtype, ``layout.numel``: device copy while FETCHING/RESIDENT
-        master, exp_avg, exp_avg_sq, grad   fp32, ``layout.trainable_numel``, in the
-                       optimizer's tier (host or device)
-        next_compute, next_grad   second buffers of the delayed-update mode
+    ``layout`` places each parameter in the unit's flat buffers; ``place`` is
+    its frozen placement (placement.UnitPlacement). Each owner keeps its own
+    record here and is the only one to write it: ``dev`` (residency.py),
+    ``host`` (host_cache.py), ``grads`` (grads.py), ``opt`` (optstate.py).
     """
 
-    def __init__(self, index: int, name: str, modules: List[nn.Module], layout: Layout, is_root: bool):
+    def __init__(self, index: int, name: str, modules: List[nn.Module], layout: Layout):
         self.index = index
         self.name = name
         self.modules = modules
         self.layout = layout
-        self.is_root = is_root
-        self.device_state = DeviceState.ABSENT
-        self.grad_state = GradState.CLEAN
-        self.pins = 0
-        self.fetch_ticket = None
-        self.dev_range: Optional[int] = None  # offset in the device arena (bytes)
-        self.host_compute: Optional[torch.Tensor] = None
-        self.dev_compute: Optional[torch.Tensor] = None
-        self.master: Optional[torch.Tensor] = None
-        self.exp_avg: Optional[torch.Tensor] = None
-        self.exp_avg_sq: Optional[torch.Tensor] = None
-        self.grad: Optional[torch.Tensor] = None
-        self.next_compute: Optional[torch.Tensor] = None
-        self.next_grad: Optional[torch.Tensor] = None
-        # Per trainable slot: does the grad buffer hold this step's data yet?
-        self.grad_written: List[bool] = [False] * len(layout.trainable_slots)
-        self.grads_pending = 0          # trainable slots still waiting for this backward's gradient
-        self.flush_tickets: List = []   # gradient copies in flight
-        self.bwd_armed = False          # pre-backward hook registered for this backward
-        self.bwd_fetched = False
-        self.post_bwd_done = False
-        self.opt_ticket = None          # optimizer work in flight (overlap modes)
-        self.external = False           # parameters used outside this unit's forward
-        self.permanent = False          # lives on the device for good (offload_params="none")
-        self.last_used = 0              # LRU clock of the last fetch
-        self.bwd_count = 0              # backward holds (one per pending module call; see [Note: pins])
-        self.recompute = 0              # pins of recomputations in backward, kept until its backward is done
-        # NVMe homes (see [Note: NVMe homes and the host cache]):
-        self.host_buf = None            # pool handle of a cached compute copy (None: permanent or absent)
-        self.host_busy = None           # transfer reading host_compute (fetch ticket)
-        self.host_dirty = False         # host_compute is newer than its NVMe copy (written back on eviction)
-        self.compute_sums = None        # CRC32C sums of host_compute from the update that made it dirty
-        self.host_write = None          # write-back of an evicted compute copy in flight
-        self.host_locks = 0             # optimizer writing host_compute now
-        self.grad_buf = None            # pool handle of an NVMe optimizer's gradient buffer
-        self.grad_on_nvme = False       # gradients of this step were spilled to NVMe
-        self.grad_claimed = False       # an update during backward owns the gradient buffer
-        self.moments_fresh = False      # NVMe moments not written yet: they are zero
-        self.opt_bufs: list = []
-        self.opt_sums: dict = {}        # kind -> CRC32C sums the update took (SwapStore.write(crcs=))
-        self.opt_pending = None         # reads of an early opt_load (NVMe optimizer state)
-        self.grad_shard = None          # ZeRO: the own shard of the summed gradients
-        self.grad_reduced = False       # ZeRO: grad_shard holds this step's reduced gradients
+        self.place = None   # placement.UnitPlacement, set once by the engine
+        self.dev = None     # residency.DeviceRecord
+        self.host = None    # host_cache.HostRecord
+        self.grads = None   # grads.GradRecord
+        self.opt = None     # optstate.OptRecord
 
     @property
     def compute_numel(self) -> int:
@@ -144,8 +103,39 @@ class Unit:
         return self.layout.trainable_numel
 
     def __repr__(self) -> str:
-        return (f"Unit({self.index}, {self.name!r}, {self.layout.numel} elems, {self.device_state.value}, "
-                f"pins={self.pins})")
+        state = self.dev.state.value if self.dev is not None else "unplaced"
+        pins = self.dev.pins if self.dev is not None else 0
+        return f"Unit({self.index}, {self.name!r}, {self.layout.numel} elems, {state}, pins={pins})"
+
+
+def build_units(model: nn.Module, unit_classes, group_of: Dict[int, int], shards: int) -> List[Unit]:
+    """The root unit (index 0: every parameter in no unit module, and those
+    shared between units, such as tied embeddings) and one unit per module
+    of :func:`partition` that owns parameters of its own."""
+    owners: Dict[int, List[str]] = {}
+    params: Dict[int, nn.Parameter] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod.named_parameters(prefix=mod_name, recurse=False):
+            owners.setdefault(id(p), []).append(pname)
+            params[id(p)] = p
+    unit_mods = partition(model, unit_classes)
+    assigned: Dict[int, int] = {}
+    per_unit: List[List[Tuple[str, nn.Parameter]]] = [[] for _ in unit_mods]
+    for ui, (uname, umod) in enumerate(unit_mods):
+        prefix = uname + "."
+        for pname, p in umod.named_parameters(prefix=uname):
+            # A parameter also owned outside this unit (tied weights) lives in
+            # the root unit, which is resident whenever any unit computes.
+            if id(p) in assigned or any(not o.startswith(prefix) for o in owners[id(p)]):
+                continue
+            assigned[id(p)] = ui
+            per_unit[ui].append((pname, p))
+    root = [(owners[pid][0], p) for pid, p in params.items() if pid not in assigned]
+    units = [Unit(0, "<root>", [model], Layout(root, group_of, shards))]
+    for ui, (uname, umod) in enumerate(unit_mods):
+        if per_unit[ui]:
+            units.append(Unit(len(units), uname, [umod], Layout(per_unit[ui], group_of, shards)))
+    return units
 
 
 def _matches(module: nn.Module, classes: Sequence[Union[str, type]]) -> bool:

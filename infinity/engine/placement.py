@@ -1,0 +1,245 @@
+"""What lives where, decided once: the engine's modes, each unit's frozen
+placement, and the budget arithmetic of the device, host and NVMe tiers.
+
+Pure: nothing here allocates or moves bytes. The owners (residency,
+host_cache, grads, optstate) read the decisions; the figures are checked
+against hand computations in tests/test_engine_placement.py.
+
+[Note: host budget]
+The host tier holds, for good, the homes of host-resident state: compute
+copies (``offload_params="host"``, or the optimizer's copy-out target with
+parameters on the device), fp32 master and moments and the gradient buffer
+(``offload_optimizer="host"``; the delayed mode doubles the compute copy and
+the gradients), and under ZeRO the gradient shard (plus stage 1's full
+gradients). What is transient comes on top:
+
+- NVMe compute copies: a cache of at least ``prefetch_depth + 2`` copies of
+  the largest unit (the prefetched ones, the one computing, one being
+  written back) and the root's;
+- NVMe optimizer state: ``PIPELINE_BUFFERS`` fp32 buffers of the largest unit
+  (two units' master, moments and gradients in the optimizer's pipeline, and
+  the gradients of the unit whose backward runs) and one compute copy;
+- ZeRO stages 2-3: full gradients from a unit's first gradient to its
+  reduction, ``ZERO_REDUCING_UNITS`` of them at the minimum.
+
+All host buffers are rounded up to ``POOL_ALIGN``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+__all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need",
+           "nvme_capacity", "nbytes", "round_pool", "POOL_ALIGN", "RANGE_ALIGN", "PIPELINE_BUFFERS",
+           "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
+
+POOL_ALIGN = 4096          # bytes; host buffers start on pages (O_DIRECT, pinning)
+RANGE_ALIGN = 512          # bytes; device ranges start here (see tiers.DEVICE_ALIGN)
+PIPELINE_BUFFERS = 9       # fp32 buffers of the largest unit in the NVMe optimizer pipeline
+NVME_CACHE_SPARE = 2       # NVMe compute copies cached beyond prefetch_depth
+ZERO_REDUCING_UNITS = 2    # full gradients at once at the minimum (one arriving, one reducing)
+ZERO_TRANSIENT_UNITS = 3   # cap of the full-gradient room under ZeRO 2-3 without accumulation
+SWAP_SLACK_PAGES = 64      # extra pages of swap file per rank
+KINDS_PER_UNIT = 5         # swap keys per unit: compute, master, exp_avg, exp_avg_sq, grad
+
+
+def nbytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes of ``numel`` elements of ``dtype``."""
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def round_pool(n: int) -> int:
+    """``n`` bytes rounded up to a host-pool buffer (at least one page)."""
+    return max(POOL_ALIGN, -(-n // POOL_ALIGN) * POOL_ALIGN)
+
+
+@dataclass(frozen=True)
+class Modes:
+    """The engine-wide decisions of a config, made once."""
+
+    device: torch.device
+    dtype: torch.dtype        # compute copy
+    grad_dtype: torch.dtype   # host gradient buffers (see [Note: gradients in the compute dtype])
+    params: str               # home of the compute copy: "none", "host", "nvme"
+    optimizer: str            # home of master and moments: "none", "host", "nvme"
+    zero: int                 # ZeRO stage
+    world: int                # data-parallel ranks
+    delayed: bool             # overlap="delayed": second compute and gradient buffers
+    depth: int                # prefetch_depth
+    accum_steps: int          # grad_accumulation_steps
+    prefetch_bytes: Optional[int] = None  # Config.prefetch_bytes
+
+    @property
+    def params_on_device(self) -> bool:
+        return self.params == "none"
+
+    @property
+    def params_nvme(self) -> bool:
+        return self.params == "nvme"
+
+    @property
+    def host_optimizer(self) -> bool:
+        return self.optimizer != "none"
+
+    @property
+    def opt_nvme(self) -> bool:
+        return self.optimizer == "nvme"
+
+    @property
+    def nvme_used(self) -> bool:
+        return self.params_nvme or self.opt_nvme
+
+    @property
+    def compute_home_host(self) -> bool:
+        """The compute copy has a permanent host buffer: its home (params on
+        the host), or the optimizer's copy-out target (params on the device,
+        optimizer on the host)."""
+        return self.params == "host" or (self.params_on_device and self.host_optimizer)
+
+
+@dataclass(frozen=True)
+class UnitPlacement:
+    """One unit's sizes and aliasing on this rank (elements unless named bytes)."""
+
+    compute_numel: int    # the device copy
+    trainable_numel: int  # master, moments, gradients (unsharded)
+    home_numel: int       # the home compute copy (its shard under ZeRO-3)
+    state_numel: int      # master and moments (the shard under any ZeRO stage)
+    compute_bytes: int    # bytes of the device copy
+    aliased: bool         # [Note: fp32 master aliasing]: the master is the compute copy
+
+    @property
+    def trainable(self) -> bool:
+        return self.trainable_numel > 0
+
+
+def place_unit(layout, modes: Modes) -> UnitPlacement:
+    """The placement of a unit with ``layout`` (a units.Layout) under ``modes``.
+
+    [Note: fp32 master aliasing] With fp32 compute, every parameter of the
+    unit trainable, no ZeRO sharding and both homes on NVMe, the compute copy
+    and the fp32 master hold the same bits. They are then one buffer: one
+    NVMe extent ("compute"), cached in the host like any compute copy and
+    updated in place by the optimizer. That removes a third of the swap
+    traffic of an fp32 step (the master's read and write) and the
+    optimizer's copy-out.
+    """
+    n, tn = layout.numel, layout.trainable_numel
+    aliased = (modes.params_nvme and modes.opt_nvme and modes.dtype == torch.float32 and modes.zero == 0
+               and not modes.delayed and tn > 0 and len(layout.trainable_slots) == len(layout.slots))
+    return UnitPlacement(compute_numel=n, trainable_numel=tn,
+                         home_numel=n // modes.world if modes.zero == 3 else n,
+                         state_numel=tn // modes.world if modes.zero else tn,
+                         compute_bytes=nbytes(n, modes.dtype), aliased=aliased)
+
+
+@dataclass(frozen=True)
+class DeviceNeed:
+    """Bytes the device tier needs."""
+
+    arena_min: int     # pass units + (prefetch_depth + 1) of the largest other units
+    all_compute: int   # every unit resident
+    grad_reserve: int  # gradients between autograd and their copy out
+    opt_fixed: int     # optimizer state on the device (offload_optimizer="none")
+    largest_unit: int  # bytes of the largest unit but the root
+    units: int
+
+    @property
+    def minimum(self) -> int:
+        """The smallest ``device_memory`` that runs (512 B of alignment per range, and the arena rounded down)."""
+        return self.arena_min + self.grad_reserve + self.opt_fixed + RANGE_ALIGN * (self.units + 1)
+
+    @property
+    def everything(self) -> int:
+        """The budget with every unit resident: more buys nothing."""
+        return self.all_compute + self.grad_reserve + self.opt_fixed + RANGE_ALIGN * (self.units + 1)
+
+    def arena_bytes(self, budget: int) -> int:
+        """The arena a budget of ``budget`` bytes gets."""
+        return min(budget - self.grad_reserve - self.opt_fixed, self.all_compute + RANGE_ALIGN * (self.units + 1))
+
+
+def device_need(places: Sequence[UnitPlacement], external: Sequence[bool], modes: Modes) -> DeviceNeed:
+    """The device tier's needs for units placed ``places`` (the root first);
+    ``external[i]``: unit i stays resident for whole passes (see
+    ``Engine.note_external_use``)."""
+    root, others = places[0], list(zip(places[1:], external[1:]))
+    ext = sum(p.compute_bytes for p, e in others if e)
+    paged = sorted((p.compute_bytes for p, e in others if not e), reverse=True)
+    all_compute = sum(p.compute_bytes for p in places)
+    if modes.params_on_device:
+        arena_min = all_compute
+    else:
+        # Units held only for a pending backward give way (see [Note: pins]).
+        arena_min = root.compute_bytes + ext + sum(paged[:modes.depth + 1])
+    grad_reserve = max([nbytes(p.trainable_numel, modes.dtype) for p in places] + [0])
+    opt_fixed = 0 if modes.host_optimizer else sum(4 * nbytes(p.trainable_numel, torch.float32) for p in places)
+    return DeviceNeed(arena_min, all_compute, grad_reserve, opt_fixed,
+                      max((p.compute_bytes for p in places[1:]), default=0), len(places))
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    """Bytes of the host tier (see [Note: host budget])."""
+
+    permanent: int   # homes kept for good
+    minimum: int     # what the placement needs at least
+    capacity: int    # the pool's size (more buys nothing)
+    nvme_bytes: int  # what the swap files hold
+
+
+def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
+    """The host tier's needs for units placed ``places`` (the root first)."""
+    perm = cache_all = nvme = zero_transient = 0
+    largest_c = largest_t = 0
+    for p in places:
+        cb = round_pool(p.compute_bytes)
+        tb = round_pool(nbytes(p.trainable_numel, torch.float32)) if p.trainable else 0
+        largest_c, largest_t = max(largest_c, cb), max(largest_t, tb)
+        if modes.compute_home_host:
+            perm += round_pool(p.compute_bytes // modes.world) if modes.zero == 3 else cb * (2 if modes.delayed else 1)
+        if modes.params_nvme:
+            hb = round_pool(nbytes(p.home_numel, modes.dtype))
+            cache_all, nvme = cache_all + hb, nvme + hb
+        sb = round_pool(tb // modes.world) if modes.zero else tb
+        if modes.host_optimizer and p.trainable:
+            perm, zero_transient = perm + _permanent_state(p, modes, tb, sb), zero_transient + _zero_full(modes, tb)
+        if modes.opt_nvme and p.trainable:
+            k = (3 if modes.zero else 4) - (1 if p.aliased else 0)  # ZeRO keeps its gradient shard on the host
+            cache_all, nvme = cache_all + k * sb, nvme + k * sb
+    pipeline = PIPELINE_BUFFERS * largest_t + largest_c
+    minimum = perm
+    if modes.params_nvme:
+        minimum += (modes.depth + NVME_CACHE_SPARE) * largest_c + round_pool(places[0].compute_bytes)
+    if modes.opt_nvme:
+        minimum += pipeline
+    if modes.zero >= 2 and modes.accum_steps == 1:
+        zero_transient = min(zero_transient, ZERO_TRANSIENT_UNITS * largest_t)
+    minimum += min(zero_transient, ZERO_REDUCING_UNITS * largest_t)
+    capacity = perm + (cache_all + pipeline if modes.nvme_used else 0) + zero_transient
+    return HostNeed(perm, minimum, capacity, nvme)
+
+
+def _permanent_state(p: UnitPlacement, modes: Modes, tb: int, sb: int) -> int:
+    """Host bytes kept for good for a trainable unit's optimizer side."""
+    if modes.zero:
+        # Gradient shard (+ full gradients for stage 1); master and moments unless on NVMe.
+        return sb + (tb if modes.zero == 1 else 0) + (0 if modes.opt_nvme else 3 * sb)
+    if modes.opt_nvme:
+        return 0
+    gb = round_pool(nbytes(p.trainable_numel, modes.grad_dtype))
+    return 3 * tb + gb * (2 if modes.delayed else 1)
+
+
+def _zero_full(modes: Modes, tb: int) -> int:
+    """Stages 2-3: full gradients live from the unit's first gradient to its reduction."""
+    return tb if modes.zero >= 2 else 0
+
+
+def nvme_capacity(need: HostNeed, units: int, paths: int) -> int:
+    """Bytes of swap files per rank: the state, plus per key and path two
+    pages of extent rounding, plus ``SWAP_SLACK_PAGES``."""
+    return need.nvme_bytes + 2 * 4096 * units * KINDS_PER_UNIT * paths + SWAP_SLACK_PAGES * 4096

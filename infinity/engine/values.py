@@ -1,0 +1,200 @@
+"""Writing values into every tier that holds them: the initial ones at
+``initialize`` (from the model's tensors, or materialised unit by unit from
+an ``infinity.init`` recording), and values loaded later
+(``infinity.load_pretrained``).
+
+Allocates each unit's buffers through their owners (host cache, gradients,
+optimizer state, residency) and fills them; owns no state of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+
+from .nvme import key as swap_key
+
+__all__ = ["Values"]
+
+
+class Values:
+    """Initial and loaded values of ``parts``' units (``parts`` is the engine)."""
+
+    def __init__(self, parts):
+        self.p = parts
+
+    # -- at initialize -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def initialize(self, model: nn.Module) -> None:
+        """Places and fills every unit's buffers, then moves the model's
+        buffers (non-parameter state) to the device."""
+        units = self.p.units
+        if any(s.param.is_meta for u in units for s in u.layout.slots):
+            self._materialize(model)
+        else:
+            for u in units:
+                self.init_unit(u, [s.param.detach().reshape(-1) for s in u.layout.slots])
+        # Floating buffers take the compute dtype, as model.to(dtype) would do.
+        for mod in model.modules():
+            for name, b in list(mod._buffers.items()):
+                if b is None:
+                    continue
+                nb = b.to(self.p.modes.device)
+                mod._buffers[name] = nb.to(self.p.modes.dtype) if nb.is_floating_point() else nb
+
+    def _materialize(self, model: nn.Module) -> None:
+        """Built under infinity.init: each unit is materialised on its own,
+        straight into its home tier (see infinity/lazy_init.py)."""
+        from ..lazy_init import recorder_of
+        rec = recorder_of(model)
+        if rec is None:
+            raise ValueError("initialize: the model has parameters on the meta device but was not built "
+                             "under `with infinity.init(config):`; build it there or give real tensors")
+        units, done = self.p.units, set()
+
+        def sink(index: int, values: List[torch.Tensor]) -> None:
+            if index in done:
+                raise RuntimeError(f"lazy init: unit {units[index].name!r} materialised twice")
+            done.add(index)
+            self.init_unit(units[index], values)
+
+        rec.materialize([[s.param for s in u.layout.slots] for u in units], sink)
+        missing = [u.name for u in units if u.index not in done]
+        if missing:
+            raise RuntimeError(f"lazy init: units never materialised: {missing}")
+
+    def init_unit(self, u, originals: List[torch.Tensor]) -> None:
+        """Allocates ``u``'s buffers in their tiers and fills them from
+        ``originals`` (one tensor per slot, in slot order, any shape with the
+        slot's numel)."""
+        p, m = self.p, self.p.modes
+        originals = [t.detach().reshape(-1) for t in originals]
+        for s, src in zip(u.layout.slots, originals):
+            if src.numel() != s.numel:
+                raise ValueError(f"unit {u.name!r}: value for {s.name!r} has {src.numel()} elements, "
+                                 f"expected {s.numel} (shape {tuple(s.shape)})")
+        master = self._alloc_state(u)
+        home, cached = self._alloc_home(u)
+        self._fill(u, originals, master, home)
+        if cached is not None:
+            p.nvme.write(swap_key(u.index, "compute"), home).wait()
+            p.cache.keep_cached(u, home, cached)
+        elif home is not None:
+            nxt = None
+            if m.delayed:
+                nxt = p.cache.alloc(u.place.compute_numel, m.dtype)
+                nxt.copy_(home)
+            p.cache.set_home(u, home, nxt)
+        if m.params_on_device:
+            p.residency.place_permanent(u, originals)
+        else:
+            p.residency.detach(u)  # until fetched, a NaN stand-in of the right shape
+        for s in u.layout.slots:
+            s.param.requires_grad_(s.trainable)
+
+    def _alloc_state(self, u):
+        """Master, moments and gradient buffers of ``u`` in their tiers; the
+        full-size fp32 tensor to fill the master from (None: no trainable)."""
+        p, m, tn = self.p, self.p.modes, u.place.trainable_numel
+        if not tn:
+            return None
+        sn, f32 = u.place.state_numel, torch.float32
+        if m.opt_nvme:
+            shard = p.cache.alloc(sn, f32) if m.zero else None
+            p.grads.set_permanent(u, p.cache.alloc(tn, f32) if m.zero == 1 else None, shard=shard)
+            return torch.zeros(tn, dtype=f32)  # the own shard goes to NVMe (see _fill)
+        if m.host_optimizer:
+            st = [p.cache.alloc(sn, f32) for _ in range(3)]
+            p.optstate.set_resident(u, *st)
+            if m.zero:  # See [Note: ZeRO shards in infinity].
+                p.grads.set_permanent(u, p.cache.alloc(tn, f32) if m.zero == 1 else None,
+                                      shard=p.cache.alloc(sn, f32))
+                return torch.zeros(tn, dtype=f32)
+            p.grads.set_permanent(u, p.cache.alloc(tn, m.grad_dtype),
+                                  p.cache.alloc(tn, m.grad_dtype) if m.delayed else None)
+            return st[0]
+        mk = lambda: torch.zeros(tn, dtype=f32, device=m.device)  # noqa: E731
+        p.optstate.set_resident(u, mk(), mk(), mk())
+        p.grads.set_permanent(u, mk())
+        return u.opt.master
+
+    def _alloc_home(self, u):
+        """(this rank's home compute copy or None, pool handle when it is an NVMe copy cached)."""
+        p, m = self.p, self.p.modes
+        if m.compute_home_host:
+            # Stage 3: this rank's shard only (see Sharding.gather_units_params).
+            return p.cache.alloc(u.place.home_numel, m.dtype), None
+        if m.params_nvme:
+            return p.cache.acquire(u.place.home_numel, m.dtype, zero=True, compute=True)
+        return None, None
+
+    def _fill(self, u, originals, master, home) -> None:
+        """Copies ``originals`` into the master (its shard kept) and the home copy."""
+        p, m, tn = self.p, self.p.modes, u.place.trainable_numel
+        # Stage 3 keeps a shard: the full copy is assembled first; else the slots go straight home.
+        full = torch.zeros(u.place.compute_numel, dtype=m.dtype) if m.zero == 3 and home is not None else None
+        for s, src in zip(u.layout.slots, originals):
+            if s.trainable and master is not None:
+                master[s.offset:s.offset + s.numel].copy_(src)
+            dst = full if full is not None else home
+            if dst is not None:
+                dst[s.offset:s.offset + s.numel].copy_(src)
+        if full is not None:
+            home.copy_(p.sharding.shard_of_params(full, tn))
+        if master is None or master is u.opt.master:
+            return
+        lo, hi = p.sharding.shard(tn)
+        if m.opt_nvme:
+            p.optstate.set_home_nvme(u, None if u.place.aliased else master[lo:hi])  # aliased: the compute copy
+        else:
+            u.opt.master.copy_(master[lo:hi])
+
+    # -- loaded later --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def write(self, u, values: Dict[int, torch.Tensor]) -> None:
+        """Overwrites parameters of ``u`` (slot index -> tensor of the slot's
+        numel, any dtype) in every tier that holds them: fp32 master, compute
+        home, and the device copy. Optimizer moments are left as they are."""
+        p, m = self.p, self.p.modes
+        p.grads.drain()
+        p.residency.drop_copy(u)  # fetched again, with the new values, when next used
+        # In memory buffers are written in place; NVMe homes are read, written and stored back.
+        master = p.optstate.read(u, "master") if u.place.trainable else None
+        home = p.read_compute(u)
+        computes = [t for t in (home, u.host.next_compute) if t is not None]
+        dev = p.residency.permanent_copy(u)
+        if dev is not None and dev is not home:
+            computes.append(dev)
+        for i, t in values.items():
+            s = u.layout.slots[i]
+            src = t.detach().reshape(-1)
+            if src.numel() != s.numel:
+                raise ValueError(f"{s.name}: {src.numel()} elements given, the parameter has {s.numel} "
+                                 f"(shape {tuple(s.shape)})")
+            sl = slice(s.offset, s.offset + s.numel)
+            if s.trainable and master is not None:
+                master[sl].copy_(src)
+            for c in computes:
+                c[sl].copy_(src)
+        self._store_written(u, master, home)
+        p.values_changed(u, [u.layout.slots[i] for i in values])
+
+    def _store_written(self, u, master, home) -> None:
+        """Writes the master shard and the home compute copy back to where they live."""
+        p, m = self.p, self.p.modes
+        if master is not None:
+            lo, hi = p.sharding.shard(u.place.trainable_numel)
+            if m.opt_nvme and not u.place.aliased:  # aliased: written below with the compute copy
+                p.nvme.write(swap_key(u.index, "master"), master[lo:hi]).wait()
+            elif m.zero and not m.opt_nvme:
+                u.opt.master.copy_(master[lo:hi])
+        if m.zero == 3:
+            home = p.sharding.shard_of_params(home, u.place.trainable_numel)
+            if u.host.compute is not None:
+                u.host.compute.copy_(home)
+        if m.params_nvme:
+            p.cache.store_compute(u, home)
