@@ -61,47 +61,10 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
         a budget cannot hold what the configuration needs (bytes named).
     """
     config = config if config is not None else Config()
-    if not isinstance(config, Config):
-        raise TypeError(f"initialize: config must be an infinity.Config, got {type(config).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"initialize: model must be an nn.Module, got {type(model).__name__}")
-    if model in _ENGINES:
-        raise ValueError("initialize: this model is already managed by infinity")
-    unknown = set(optimizer_kwargs) - set(_OPT_KEYS)
-    if unknown:
-        raise ValueError(f"initialize: unknown optimizer argument(s) {sorted(unknown)}; valid: {list(_OPT_KEYS)}")
-    defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, adamw_mode=True)
-    defaults.update(optimizer_kwargs)
-    defaults["betas"] = tuple(defaults["betas"])
-    check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
-    for name, p in model.named_parameters():
-        if p.dtype != torch.float32 and p.device.type != "meta":
-            raise TypeError(f"initialize: parameter {name!r} has dtype {p.dtype}; give the model in float32 "
-                            "(infinity keeps an fp32 master copy and casts the compute copy to Config.dtype)")
-
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups: List[dict] = []
-    seen = set()
-    for gi, g in enumerate(param_groups or []):
-        if "params" not in g:
-            raise ValueError(f"initialize: param_groups[{gi}] has no 'params'")
-        bad = set(g) - set(_OPT_KEYS) - {"params"}
-        if bad:
-            raise ValueError(f"initialize: param_groups[{gi}] has unknown key(s) {sorted(bad)}")
-        ps = [p for p in g["params"] if p.requires_grad]
-        for p in ps:
-            if id(p) in seen:
-                raise ValueError("initialize: a parameter appears in more than one of param_groups")
-            seen.add(id(p))
-        grp = dict(defaults)
-        grp.update({k: v for k, v in g.items() if k != "params"})
-        grp["betas"] = tuple(grp["betas"])
-        check_hyperparameters(grp["lr"], grp["betas"], grp["eps"], grp["weight_decay"])
-        grp["params"] = ps
-        groups.append(grp)
-    rest = [p for p in trainable if id(p) not in seen]
-    if rest or not groups:
-        groups.append(dict(defaults, params=rest))
+    _check_args(model, config, optimizer_kwargs)
+    defaults = _defaults(optimizer_kwargs)
+    _check_dtypes(model)
+    groups = _build_groups(model, param_groups, defaults)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
 
     engine = Engine(model, config, group_of, process_group)
@@ -120,6 +83,72 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
     engine.attach(optimizer, install_hooks(engine))
     _ENGINES[model] = engine
     return model, optimizer
+
+
+def _check_args(model: nn.Module, config: Config, optimizer_kwargs: Dict[str, Any]) -> None:
+    """Raises TypeError/ValueError naming the argument of ``initialize`` at fault."""
+    if not isinstance(config, Config):
+        raise TypeError(f"initialize: config must be an infinity.Config, got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize: model must be an nn.Module, got {type(model).__name__}")
+    if model in _ENGINES:
+        raise ValueError("initialize: this model is already managed by infinity")
+    unknown = set(optimizer_kwargs) - set(_OPT_KEYS)
+    if unknown:
+        raise ValueError(f"initialize: unknown optimizer argument(s) {sorted(unknown)}; valid: {list(_OPT_KEYS)}")
+
+
+def _defaults(optimizer_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The default group's hyper-parameters: AdamW defaults updated by the keyword arguments, checked."""
+    defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, adamw_mode=True)
+    defaults.update(optimizer_kwargs)
+    defaults["betas"] = tuple(defaults["betas"])
+    check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
+    return defaults
+
+
+def _check_dtypes(model: nn.Module) -> None:
+    """Raises TypeError for a real parameter that is not float32 (meta ones, from
+    ``infinity.init``, are materialised as float32)."""
+    for name, p in model.named_parameters():
+        if p.dtype != torch.float32 and p.device.type != "meta":
+            raise TypeError(f"initialize: parameter {name!r} has dtype {p.dtype}; give the model in float32 "
+                            "(infinity keeps an fp32 master copy and casts the compute copy to Config.dtype)")
+
+
+def _build_groups(model: nn.Module, param_groups: Optional[List[dict]], defaults: Dict[str, Any]) -> List[dict]:
+    """The user's groups (trainable parameters only, defaults filled in,
+    checked), then a default group of the trainable parameters none lists
+    (always present when there are no user groups; possibly empty)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups: List[dict] = []
+    seen: set = set()
+    for gi, g in enumerate(param_groups or []):
+        groups.append(_build_group(gi, g, defaults, seen))
+    rest = [p for p in trainable if id(p) not in seen]
+    if rest or not groups:
+        groups.append(dict(defaults, params=rest))
+    return groups
+
+
+def _build_group(gi: int, g: dict, defaults: Dict[str, Any], seen: set) -> dict:
+    """``param_groups[gi]`` checked and completed; adds its parameters to ``seen``."""
+    if "params" not in g:
+        raise ValueError(f"initialize: param_groups[{gi}] has no 'params'")
+    bad = set(g) - set(_OPT_KEYS) - {"params"}
+    if bad:
+        raise ValueError(f"initialize: param_groups[{gi}] has unknown key(s) {sorted(bad)}")
+    ps = [p for p in g["params"] if p.requires_grad]
+    for p in ps:
+        if id(p) in seen:
+            raise ValueError("initialize: a parameter appears in more than one of param_groups")
+        seen.add(id(p))
+    grp = dict(defaults)
+    grp.update({k: v for k, v in g.items() if k != "params"})
+    grp["betas"] = tuple(grp["betas"])
+    check_hyperparameters(grp["lr"], grp["betas"], grp["eps"], grp["weight_decay"])
+    grp["params"] = ps
+    return grp
 
 
 def engine_of(model: nn.Module) -> Engine:
