@@ -159,6 +159,17 @@ class Config:
         self._validate()
 
     def _validate(self) -> None:
+        # Single fields first, in a fixed order (with several bad ones, the
+        # same one is reported every time), then the combinations, which
+        # rely on each field being valid and normalised.
+        self._validate_device()
+        self._validate_modes_and_budgets()
+        self._validate_swap()
+        self._validate_numbers()
+        self._validate_unit_classes()
+        self._validate_combinations()
+
+    def _validate_device(self) -> None:
         dev = self.device
         if not isinstance(dev, (str, torch.device)):
             raise TypeError(f"Config.device={dev!r}: use 'auto', 'cuda', 'cuda:N' or 'cpu'")
@@ -166,6 +177,8 @@ class Config:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", dev):
             raise ValueError(f"Config.device={dev!r}: choose 'auto', 'cuda', 'cuda:N' or 'cpu'")
         self.device = dev
+
+    def _validate_modes_and_budgets(self) -> None:
         _choice("dtype", self.dtype, tuple(_DTYPES))
         _choice("offload_params", self.offload_params, _OFFLOAD)
         _choice("offload_optimizer", self.offload_optimizer, _OFFLOAD)
@@ -174,6 +187,8 @@ class Config:
             v = getattr(self, name)
             if v is not None:
                 setattr(self, name, parse_bytes(v, f"Config.{name}"))
+
+    def _validate_swap(self) -> None:
         if isinstance(self.swap_paths, (str, bytes)) or not all(isinstance(p, str) for p in self.swap_paths):
             raise TypeError(f"Config.swap_paths={self.swap_paths!r}: expected a list of directory paths")
         self.swap_paths = list(self.swap_paths)
@@ -186,6 +201,8 @@ class Config:
         _choice("swap_backend", self.swap_backend, ("auto", "io_uring", "threads", "python"))
         if not isinstance(self.swap_checksum, bool):
             raise TypeError(f"Config.swap_checksum={self.swap_checksum!r}: must be True or False")
+
+    def _validate_numbers(self) -> None:
         for name, lo in (("prefetch_depth", 0), ("grad_accumulation_steps", 1), ("loss_scale_growth_interval", 1),
                          ("swap_queue_depth", 1)):
             v = getattr(self, name)
@@ -206,12 +223,16 @@ class Config:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"Config.{name}={v!r}: must be > 0")
+
+    def _validate_unit_classes(self) -> None:
         if self.unit_classes is not None:
             if isinstance(self.unit_classes, (str, type)):
                 self.unit_classes = [self.unit_classes]
             for c in self.unit_classes:
                 if not isinstance(c, (str, type)):
                     raise TypeError(f"Config.unit_classes: {c!r} is neither a class nor a class name")
+
+    def _validate_combinations(self) -> None:
         if self.zero_stage == 3 and self.offload_params not in ("host", "nvme"):
             raise ValueError("Config.zero_stage=3 shards the parameters' home copy over the ranks' host or NVMe "
                              "tiers: it needs offload_params 'host' or 'nvme'")
