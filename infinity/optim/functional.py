@@ -58,25 +58,12 @@ def _check_buffer(t: torch.Tensor, what: str, i: int, numel: int, dtypes) -> Non
         raise ValueError(f"{what}[{i}] has {t.numel()} elements but params[{i}] has {numel}")
 
 
-def adamw_step_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool = True,
-    grad_scale: float = 1.0,
-    outs: Optional[Sequence[torch.Tensor]] = None,
-    num_threads: Optional[int] = None,
-    validate: bool = True,
-    sum_chunk_bytes: Optional[int] = None,
-) -> Optional[List[Tuple[array.array, array.array, array.array]]]:
+def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                exp_avg_sqs: Sequence[torch.Tensor], *, step: int, lr: float, beta1: float, beta2: float,
+                eps: float, weight_decay: float, adamw_mode: bool = True, grad_scale: float = 1.0,
+                outs: Optional[Sequence[torch.Tensor]] = None, num_threads: Optional[int] = None,
+                validate: bool = True, sum_chunk_bytes: Optional[int] = None,
+                ) -> Optional[List[Tuple[array.array, array.array, array.array]]]:
     """One AdamW (``adamw_mode=True``) or Adam-with-L2 step, in place.
 
     Args:
@@ -102,41 +89,58 @@ def adamw_step_(
     All tensors of index i must have the same number of elements. Many tensors
     cost one native call: the work is split across threads by element count.
     """
-    n = len(params)
-    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or (outs is not None and len(outs) != n):
-        raise ValueError(f"adamw_step_: list lengths differ: params {n}, grads {len(grads)}, "
-                         f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}"
-                         + (f", outs {len(outs)}" if outs is not None else ""))
-    if n == 0:
+    _check_lengths(params, grads, exp_avgs, exp_avg_sqs, outs)
+    if len(params) == 0:
         return [] if sum_chunk_bytes is not None else None
     gdtype = grads[0].dtype
     odtype = outs[0].dtype if outs is not None else None
     if validate:
-        check_hyperparameters(lr, (beta1, beta2), eps, weight_decay)
-        if step < 1:
-            raise ValueError(f"Invalid step: {step!r} (must be >= 1 after incrementing)")
-        for i in range(n):
-            numel = params[i].numel() if isinstance(params[i], torch.Tensor) else -1
-            _check_buffer(params[i], "params", i, numel, (torch.float32,))
-            _check_buffer(grads[i], "grads", i, numel, (gdtype,) if gdtype in _GRAD_DT else tuple(_GRAD_DT))
-            _check_buffer(exp_avgs[i], "exp_avgs", i, numel, (torch.float32,))
-            _check_buffer(exp_avg_sqs[i], "exp_avg_sqs", i, numel, (torch.float32,))
-            if outs is not None:
-                _check_buffer(outs[i], "outs", i, numel, (odtype,) if odtype in _OUT_DT else tuple(_OUT_DT))
+        _check_call(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, step, lr, beta1, beta2, eps,
+                    weight_decay)
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
     if sum_chunk_bytes is not None:
-        if not native.available():
-            raise RuntimeError("adamw_step_(sum_chunk_bytes=...): the sums need infinity's native library, "
-                               "which is not loaded")
-        if sum_chunk_bytes < 4096 or sum_chunk_bytes & (sum_chunk_bytes - 1):
-            raise ValueError(f"sum_chunk_bytes={sum_chunk_bytes}: must be a power of two >= 4096")
+        _check_sum_chunk_bytes(sum_chunk_bytes)
     if native.available():
         return _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
                             weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads, sum_chunk_bytes)
     else:
         _fallback_step(params, grads, exp_avgs, exp_avg_sqs, outs, lr, beta1, beta2, eps, weight_decay,
                        bc1, bc2, grad_scale, adamw_mode)
+
+
+def _check_lengths(params, grads, exp_avgs, exp_avg_sqs, outs) -> None:
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or (outs is not None and len(outs) != n):
+        raise ValueError(f"adamw_step_: list lengths differ: params {n}, grads {len(grads)}, "
+                         f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}"
+                         + (f", outs {len(outs)}" if outs is not None else ""))
+
+
+def _check_call(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, step, lr, beta1, beta2, eps,
+                weight_decay) -> None:
+    """The checks of ``validate=True``: hyper-parameters, step, then each
+    buffer's type, layout, device, dtype (grads and outs: one dtype per call)
+    and size."""
+    check_hyperparameters(lr, (beta1, beta2), eps, weight_decay)
+    if step < 1:
+        raise ValueError(f"Invalid step: {step!r} (must be >= 1 after incrementing)")
+    for i in range(len(params)):
+        numel = params[i].numel() if isinstance(params[i], torch.Tensor) else -1
+        _check_buffer(params[i], "params", i, numel, (torch.float32,))
+        _check_buffer(grads[i], "grads", i, numel, (gdtype,) if gdtype in _GRAD_DT else tuple(_GRAD_DT))
+        _check_buffer(exp_avgs[i], "exp_avgs", i, numel, (torch.float32,))
+        _check_buffer(exp_avg_sqs[i], "exp_avg_sqs", i, numel, (torch.float32,))
+        if outs is not None:
+            _check_buffer(outs[i], "outs", i, numel, (odtype,) if odtype in _OUT_DT else tuple(_OUT_DT))
+
+
+def _check_sum_chunk_bytes(sum_chunk_bytes: int) -> None:
+    if not native.available():
+        raise RuntimeError("adamw_step_(sum_chunk_bytes=...): the sums need infinity's native library, "
+                           "which is not loaded")
+    if sum_chunk_bytes < 4096 or sum_chunk_bytes & (sum_chunk_bytes - 1):
+        raise ValueError(f"sum_chunk_bytes={sum_chunk_bytes}: must be a power of two >= 4096")
 
 
 def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
