@@ -47,7 +47,7 @@ class Values:
 
     def _materialize(self, model: nn.Module) -> None:
         """Built under infinity.init: each unit is materialised on its own,
-        straight into its home tier (see infinity/lazy_init.py)."""
+        straight into its home tier (see infinity/lazy_init/)."""
         from ..lazy_init import recorder_of
         rec = recorder_of(model)
         if rec is None:
