@@ -215,7 +215,7 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     delayed mode the queued update is applied first."""
     eng = engine_of(model)
     eng.optimizer.flush()
-    eng.grads.drain()
+    eng.gradients.drain()
     out: Dict[str, torch.Tensor] = {}
     cache: dict = {}
     for key, value in model.state_dict(keep_vars=True).items():

@@ -229,18 +229,18 @@ def test_default_device_budget_grows_after_the_first_step(monkeypatch):
     """device_memory=None on CUDA: half the free memory for the first pass,
     then what the measured pass leaves free (see [Note: the default device
     budget]). Simulated on the CPU through the engine's two memory probes."""
-    from infinity.engine import core, device_budget
-    eng_cls = core.Engine
+    from infinity.engine import device_budget
+    budget_cls = device_budget.DeviceBudget
     capacity = device_budget.MARGIN_BYTES + (3 << 20)
     need_other = 1 << 20  # activations and the rest, as the allocator's peak shows them
 
     def default_budget(self, minimum):
         # As if half the free memory were below the minimum: the first pass runs at the minimum.
-        return device_budget.initial_budget(minimum, self.device_need().everything, minimum), capacity
+        return device_budget.initial_budget(minimum, self.e.device_need().everything, minimum), capacity
 
-    monkeypatch.setattr(eng_cls, "_default_device_budget", default_budget)
-    monkeypatch.setattr(eng_cls, "_memory_peak",
-                        lambda self: self.device_tier.arena_bytes + self.device_tier.fixed_bytes + need_other)
+    monkeypatch.setattr(budget_cls, "default", default_budget)
+    monkeypatch.setattr(budget_cls, "memory_peak",
+                        lambda self: self.e.device_tier.arena_bytes + self.e.device_tier.fixed_bytes + need_other)
     import copy
     ref = small_gpt()
     m, opt = infinity.initialize(copy.deepcopy(ref), cfg(device_memory=None), lr=1e-3, weight_decay=0.1)

@@ -119,7 +119,7 @@ def test_parameters_used_outside_their_module():
     with pytest.warns(RuntimeWarning, match="blocks.1"):
         model, _, _, _ = train_pair(ExternalUse, cfg(device_memory=6 * UB), steps=8)
     eng = infinity.api.engine_of(model)
-    assert [u.name for u in eng.units if u.external] == ["gpt.blocks.1"]
+    assert [u.name for u in eng.units if u.dev.external] == ["gpt.blocks.1"]
 
 
 def test_eval_and_no_grad_inference_between_steps():

@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..config import Config, format_bytes
-from . import device_budget
+from ..config import Config
+from .device_budget import DeviceBudget
 from .grads import Gradients
 from .host_cache import HostCache
 from .mover import DeferredTicket, make_mover
@@ -38,7 +38,7 @@ from .residency import Residency
 from .saved import SavedTensorRouter
 from .state import DeviceState, Quiet
 from .stats import Stats
-from .tiers import BudgetError, DeviceTier, HostTier
+from .tiers import DeviceTier, HostTier
 from .trace import Trace
 from .units import build_units
 from .values import Values
@@ -94,7 +94,8 @@ class Engine:
     def _make_parts(self) -> None:
         """The tiers under their budgets, and the owners that work on them."""
         cfg, modes = self.config, self.modes
-        dev_tier = self._device_tier()
+        self.budget = DeviceBudget(self)
+        dev_tier = self.budget.first_tier()
         need = host_need([u.place for u in self.units], modes)
         self.host_budget = cfg.host_memory if cfg.host_memory is not None else int(_available_ram() * 0.8)
         host_tier = HostTier(need.capacity, self.host_budget, pin=self.device.type == "cuda",
@@ -108,7 +109,7 @@ class Engine:
                                  checksum=cfg.swap_checksum)
             weakref.finalize(self, self.nvme.close)
         self.cache = HostCache(self.units, modes, host_tier, self.nvme, self.trace, self.stats)
-        self.grads = Gradients(self.units, modes, dev_tier, self.cache, self.nvme, self.mover, self.stats,
+        self.gradients = Gradients(self.units, modes, dev_tier, self.cache, self.nvme, self.mover, self.stats,
                                self.sharding, cfg.grad_accumulation_steps, cfg.overlap)
         self.optstate = OptimizerState(self.units, modes, self.cache, self.nvme, self.sharding)
         self.cache.drop_read_ahead = self.optstate.drop_read_ahead
@@ -129,69 +130,14 @@ class Engine:
         state and 512 bytes of alignment per unit."""
         return self.device_need().minimum
 
-    def _device_tier(self) -> DeviceTier:
-        need, budget = self.device_need(), self.config.device_memory
-        self._auto_capacity = None  # See [Note: the default device budget]
-        if budget is None:
-            budget, self._auto_capacity = self._default_device_budget(need.minimum)
-        if budget < need.minimum:
-            raise BudgetError(self._too_small(budget, need))
-        return self._new_device_tier(budget)
-
-    def _new_device_tier(self, budget: int) -> DeviceTier:
-        need = self.device_need()
-        self.device_budget = budget
-        return DeviceTier(self.device, budget, need.arena_bytes(budget), need.grad_reserve, need.opt_fixed)
-
-    def _too_small(self, budget: int, need) -> str:
-        biggest = max(self.units[1:], key=lambda u: u.place.compute_bytes, default=self.units[0])
-        return (f"device_memory={budget} bytes ({format_bytes(budget)}) is too small: it needs at least "
-                f"{need.minimum} bytes ({format_bytes(need.minimum)}): the root unit "
-                f"({self.units[0].place.compute_bytes} bytes), the largest unit {biggest.name!r} "
-                f"({biggest.place.compute_bytes} bytes) and prefetch_depth={self.modes.depth} more units of up to "
-                f"that size, {need.grad_reserve} bytes for gradients in flight"
-                + (f" and {need.opt_fixed} bytes of optimizer state on the device" if need.opt_fixed else "")
-                + ". Raise device_memory, lower prefetch_depth, or split the model into smaller units "
-                  "(Config.unit_classes)")
-
-    def _default_device_budget(self, minimum: int) -> Tuple[int, Optional[int]]:
-        """(budget, capacity to grow into or None) for ``device_memory=None``
-        (see [Note: the default device budget])."""
-        everything = self.device_need().everything
-        if self.device.type != "cuda":
-            return everything, None  # the CPU "device" is RAM: no budget unless one is given
-        free, _total = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if self.modes.params_on_device:
-            return max(minimum, int(free * 0.9)), None  # nothing pages: the arena holds every unit anyway
-        torch.cuda.reset_peak_memory_stats(self.device)  # the peak read after the first step is ours
-        return device_budget.initial_budget(free, everything, minimum), free
-
-    def _memory_peak(self) -> int:
-        """The device allocator's peak bytes since initialize (CUDA)."""
-        return torch.cuda.max_memory_allocated(self.device)
-
     def after_step(self) -> None:
-        """Called at the end of every optimizer step: the first one, with the
-        default budget, grows the device budget to what the pass left free
-        (see [Note: the default device budget])."""
-        cap, self._auto_capacity = self._auto_capacity, None
-        if cap is None or any(u.dev.state is not DeviceState.ABSENT for u in self.units if not u.dev.permanent):
-            return
-        tier = self.residency.tier
-        new = device_budget.grown_budget(cap, self._memory_peak(), tier.arena_bytes + tier.fixed_bytes,
-                                         self.device_budget, self.device_need().everything)
-        if new is None:
-            return
-        peak = tier.peak_bytes
-        self.residency.tier = self.grads.device_tier = None
-        del tier  # the old arena goes before the new one is allocated
-        tier = self._new_device_tier(new)
-        tier.peak_bytes = max(tier.peak_bytes, peak)
-        self.residency.tier = tier
-        self.grads.set_device(tier)
-        if self.saved is not None:
-            self.saved.rebind()
+        """Called at the end of every optimizer step (see [Note: the default device budget])."""
+        self.budget.after_step()
+
+    @property
+    def device_budget(self) -> int:
+        """The device budget in force (bytes)."""
+        return self.budget.budget
 
     @property
     def device_tier(self) -> DeviceTier:
@@ -256,7 +202,7 @@ class Engine:
             if u.dev.external:
                 self._pin_for_pass(u)
         if grad:
-            self.grads.begin_backward()
+            self.gradients.begin_backward()
 
     def _pin_for_pass(self, u) -> None:
         self.residency.fetch(u)
@@ -300,7 +246,7 @@ class Engine:
     def on_grad(self, u, ti: int, p: nn.Parameter) -> None:
         """A parameter's gradient is complete: it leaves the device; on ``u``'s
         last one, the schedule may start on ``u`` (reduction, update)."""
-        if self.grads.take(u, ti, p):
+        if self.gradients.take(u, ti, p):
             self.schedule.unit_ready(u)
 
     # -- values ---------------------------------------------------------------------------------
@@ -340,7 +286,7 @@ class Engine:
     def state_bytes(self) -> Dict[str, int]:
         """Bytes kept for good per kind of optimizer state (the ZeRO 1/N shares)."""
         out = self.optstate.kept_bytes()
-        out["grad"] = self.grads.kept_bytes()
+        out["grad"] = self.gradients.kept_bytes()
         return out
 
     # -- teardown --------------------------------------------------------------------------------

@@ -68,7 +68,19 @@ class Gradients:
             g.home = transition(u.name, "grad home", g.home, GradHome.PERMANENT)
 
     def set_device(self, device_tier) -> None:
+        """The device tier whose transient reserve bounds copies in flight (None: being replaced)."""
         self.device_tier = device_tier
+
+    def backward_counted(self, window_closed: bool) -> None:
+        """A whole backward is done; ``window_closed``: it ran the window's
+        last-backward work (see [Note: the accumulation window] in schedule.py)."""
+        self.micro_batches += 1
+        self.window_closed = self.window_closed or window_closed
+
+    def open_window(self) -> None:
+        """A new accumulation window (after ``step()`` or ``zero_grad()``)."""
+        self.micro_batches = 0
+        self.window_closed = False
 
     # -- off the device ---------------------------------------------------------------
 

@@ -72,8 +72,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         if eng.in_pass and eng.pass_grad:
             eng.end_pass()  # step() without a finished backward: release the pass
         self.schedule.step(self)
-        eng.grads.micro_batches = 0
-        eng.grads.window_closed = False
+        eng.gradients.open_window()
         eng.after_step()
         eng.stats.end_step_window()
         return loss
@@ -100,7 +99,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         eng, parts = self.engine, []  # per unit, float64, where the gradients live
         for u, grad, written in units_grads:
             if grad is None and eng.modes.opt_nvme:
-                eng.grads.load(u)  # spilled: read back for the norm (and dropped again)
+                eng.gradients.load(u)  # spilled: read back for the norm (and dropped again)
                 grad = u.grads.grad
             if grad is None:
                 continue
@@ -110,7 +109,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
                 norms = torch._foreach_norm([grad[a:b] for a, b in runs], 2, dtype=torch.float32)
                 parts.append(torch.stack(norms).double().square().sum())
             if eng.modes.opt_nvme:
-                eng.grads.drop_loaded(u)
+                eng.gradients.drop_loaded(u)
         # One read of the result: on CUDA each float() would be a sync.
         return float(torch.stack(parts).sum()) if parts else 0.0
 

@@ -63,6 +63,10 @@ class Residency:
         for u in units:
             u.dev = DeviceRecord()
 
+    def set_tier(self, tier: Optional[DeviceTier]) -> None:
+        """A new device tier (the default budget grew; every unit is absent)."""
+        self.tier = tier
+
     # -- the device copy and .data ---------------------------------------------------
 
     def _standin(self, s) -> torch.Tensor:

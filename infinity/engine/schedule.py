@@ -61,7 +61,7 @@ class StepSchedule:
     # -- during backward ---------------------------------------------------------------
 
     def _last_backward(self) -> bool:
-        return self.p.grads.micro_batches + 1 == self.accum_steps
+        return self.p.gradients.micro_batches + 1 == self.accum_steps
 
     def unit_ready(self, u) -> None:
         """``u``'s last gradient of this backward has left the device."""
@@ -69,9 +69,9 @@ class StepSchedule:
         if self.needs_reduce and p.modes.zero != 1 and self._last_backward() and u.place.trainable \
                 and not u.grads.reduced:
             self._closing = True  # See [Note: the accumulation window]
-            p.grads.reduce(u)     # in program order on every rank
+            p.gradients.reduce(u)     # in program order on every rank
         if not self._start_early(u) and p.modes.opt_nvme and not p.modes.zero:
-            p.grads.spill(u)      # bounded host memory until step()
+            p.gradients.spill(u)      # bounded host memory until step()
 
     def _start_early(self, u) -> bool:
         return False
@@ -79,12 +79,10 @@ class StepSchedule:
     def backward_done(self) -> None:
         """A whole backward is done."""
         p = self.p
-        p.grads.micro_batches += 1
-        if self._closing:
-            p.grads.window_closed = True
+        p.gradients.backward_counted(self._closing)
         if p.modes.opt_nvme and not p.modes.zero:
             for u in p.units:  # units some of whose parameters got no gradient
-                p.grads.spill(u)
+                p.gradients.spill(u)
 
     def wait_one(self) -> bool:
         """Waits for the oldest update in flight (which frees its buffers). True if one was waited for."""
@@ -108,14 +106,14 @@ class StepSchedule:
         for t in self._running.values():
             t.wait()
         p.stats.optimizer_wait_seconds += time.perf_counter() - t0
-        p.grads.drain()
+        p.gradients.drain()
         if self.needs_reduce:
             for u in p.units:  # same order on every rank
                 if u.place.trainable and not u.grads.reduced and u.index not in self._running:
-                    p.grads.reduce(u)
-            p.grads.finish_reductions()
+                    p.gradients.reduce(u)
+            p.gradients.finish_reductions()
         todo = [u for u in p.units if u.index not in self._running and u.place.trainable]
-        skip, scale = scaling.global_scale([(u, p.grads.update_input(u), u.grads.written) for u in todo])
+        skip, scale = scaling.global_scale([(u, p.gradients.update_input(u), u.grads.written) for u in todo])
         if skip and self._running:
             raise RuntimeError("internal: overflow after early updates")  # early updates exclude fp16
         scaling.after_overflow_check(skip)
@@ -123,7 +121,7 @@ class StepSchedule:
             self._update_all(todo, scale)
             p.stats.steps += 1
         for u in p.units:
-            p.grads.consume(u)
+            p.gradients.consume(u)
         self._running = OrderedDict()
         self._closing = False
         if not skip:
@@ -135,7 +133,7 @@ class StepSchedule:
             self._pipeline(todo, scale)
         else:
             for u in todo:
-                self.update_in_memory(u, p.grads.update_input(u), list(u.grads.written), scale)
+                self.update_in_memory(u, p.gradients.update_input(u), list(u.grads.written), scale)
         if p.modes.zero in (1, 2):  # every rank gets the new compute copies of every shard
             for u in p.units:
                 if u.place.trainable:
@@ -177,7 +175,7 @@ class StepSchedule:
         p = self.p
 
         def load(u) -> list:
-            hs = [] if p.modes.zero else [h for h in (p.grads.load(u, wait=False),) if h is not None]
+            hs = [] if p.modes.zero else [h for h in (p.gradients.load(u, wait=False),) if h is not None]
             return hs + p.optstate.checkout(u)
 
         pending = load(todo[0]) if todo else []
@@ -185,12 +183,12 @@ class StepSchedule:
             for h in pending:
                 h.wait()
             pending = load(todo[i + 1]) if i + 1 < len(todo) else []
-            grad = p.grads.update_input(u)
+            grad = p.gradients.update_input(u)
             if grad is not None:
                 self.update_from_nvme(u, grad, list(u.grads.written), scale)
             else:  # no gradient this step: the untouched state goes back
                 p.optstate.discard(u)
-            p.grads.release(u)
+            p.gradients.release(u)
 
     def _refresh_compute_copies(self) -> None:
         p = self.p
@@ -223,10 +221,11 @@ class StepSchedule:
                 "(overlap='backward' updates each unit during the last backward of the accumulation window): "
                 "the gradients cannot be discarded any more. Call optimizer.step() first, or use "
                 "overlap='step' to decide after backward whether to step")
-        p.grads.window_closed = self._closing = False
-        p.grads.drain()
+        self._closing = False
+        p.gradients.open_window()
+        p.gradients.drain()
         for u in p.units:
-            p.grads.consume(u)
+            p.gradients.consume(u)
 
 
 class BackwardSchedule(StepSchedule):
@@ -239,21 +238,21 @@ class BackwardSchedule(StepSchedule):
         if not (self.early_ok and self._last_backward() and p.modes.zero != 1 and u.index not in self._running):
             return False
         self._closing = True
-        grad, written = p.grads.update_input(u), list(u.grads.written)
+        grad, written = p.gradients.update_input(u), list(u.grads.written)
         scale = 1.0 / p.sharding.world  # gradients are sums over the data-parallel ranks
         if p.modes.opt_nvme:
             if not p.modes.zero:
-                p.grads.claim(u)
+                p.gradients.claim(u)
 
             def job() -> None:
-                p.grads.wait(u)
+                p.gradients.wait(u)
                 for h in p.optstate.checkout(u):
                     h.wait()
                 self.update_from_nvme(u, grad, written, scale)
-                p.grads.release(u)
+                p.gradients.release(u)
         else:
             def job() -> None:
-                p.grads.wait(u)
+                p.gradients.wait(u)
                 self.update_in_memory(u, grad, written, scale)
 
         self._running[u.index] = p.mover.host_job(job)
@@ -303,16 +302,16 @@ class DelayedSchedule(StepSchedule):
         p.stats.optimizer_wait_seconds += time.perf_counter() - t0
         if self._pending:
             self._apply_pending()
-        p.grads.drain()
+        p.gradients.drain()
         work = []
         for u in p.units:
             if u.place.trainable:
                 written = list(u.grads.written)
-                work.append((u, p.grads.swap_delayed(u), written))  # the next backward fills the other buffer
+                work.append((u, p.gradients.swap_delayed(u), written))  # the next backward fills the other buffer
         skip, scale = scaling.global_scale(work)
         scaling.after_overflow_check(skip)
         for u in p.units:
-            p.grads.consume(u)
+            p.gradients.consume(u)
         if skip:
             return
         p.stats.steps += 1

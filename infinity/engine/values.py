@@ -104,21 +104,21 @@ class Values:
         sn, f32 = u.place.state_numel, torch.float32
         if m.opt_nvme:
             shard = p.cache.alloc(sn, f32) if m.zero else None
-            p.grads.set_permanent(u, p.cache.alloc(tn, f32) if m.zero == 1 else None, shard=shard)
+            p.gradients.set_permanent(u, p.cache.alloc(tn, f32) if m.zero == 1 else None, shard=shard)
             return torch.zeros(tn, dtype=f32)  # the own shard goes to NVMe (see _fill)
         if m.host_optimizer:
             st = [p.cache.alloc(sn, f32) for _ in range(3)]
             p.optstate.set_resident(u, *st)
             if m.zero:  # See [Note: ZeRO shards in infinity].
-                p.grads.set_permanent(u, p.cache.alloc(tn, f32) if m.zero == 1 else None,
+                p.gradients.set_permanent(u, p.cache.alloc(tn, f32) if m.zero == 1 else None,
                                       shard=p.cache.alloc(sn, f32))
                 return torch.zeros(tn, dtype=f32)
-            p.grads.set_permanent(u, p.cache.alloc(tn, m.grad_dtype),
+            p.gradients.set_permanent(u, p.cache.alloc(tn, m.grad_dtype),
                                   p.cache.alloc(tn, m.grad_dtype) if m.delayed else None)
             return st[0]
         mk = lambda: torch.zeros(tn, dtype=f32, device=m.device)  # noqa: E731
         p.optstate.set_resident(u, mk(), mk(), mk())
-        p.grads.set_permanent(u, mk())
+        p.gradients.set_permanent(u, mk())
         return u.opt.master
 
     def _alloc_home(self, u):
@@ -160,7 +160,7 @@ class Values:
         numel, any dtype) in every tier that holds them: fp32 master, compute
         home, and the device copy. Optimizer moments are left as they are."""
         p, m = self.p, self.p.modes
-        p.grads.drain()
+        p.gradients.drain()
         p.residency.drop_copy(u)  # fetched again, with the new values, when next used
         # In memory buffers are written in place; NVMe homes are read, written and stored back.
         master = p.optstate.read(u, "master") if u.place.trainable else None
