@@ -32,7 +32,6 @@ Usage: python scripts/bench_train.py [--layers 12 --embd 512 --steps 6 --budget-
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import infinity
 from infinity.optim import CPUAdamW, adamw_step_
 
 

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-import infinity
 from infinity import native
 from infinity.optim import adamw_step_
 

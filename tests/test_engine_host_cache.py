@@ -107,7 +107,7 @@ def policy_ladder():
 def test_a_write_back_in_flight_is_waited_for_before_its_buffer_is_reused():
     cache, units, nvme = make_cache(n_units=2, pages=2)
     fill(cache, units)
-    out = cache.open_for_update(units[1], whole=True)
+    cache.open_for_update(units[1], whole=True)
     cache.close_update(units[1])
     nvme.pending = True  # write-backs stay in flight
     assert cache.evict_one(None, wait=False) > 0  # unit 0 (clean) is the LRU choice: freed at once

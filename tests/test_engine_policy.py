@@ -10,7 +10,7 @@ import pytest
 from infinity.engine import policy
 from infinity.engine.state import (CacheState, DeviceState, GradHome, GradState, IllegalTransition, OptState,
                                    transition, _LEGAL)
-from infinity.engine.trace import NEVER, Trace
+from infinity.engine.trace import Trace
 
 
 def replaying(seq, cursor=0) -> Trace:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime
 import warnings
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn

@@ -11,7 +11,7 @@ states] in state.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Optional
 
 import torch
 

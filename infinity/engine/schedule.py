@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Callable, List
+from typing import List
 
-import torch
 
 from . import policy
 from .state import OptState

@@ -159,7 +159,7 @@ class Values:
         """Overwrites parameters of ``u`` (slot index -> tensor of the slot's
         numel, any dtype) in every tier that holds them: fp32 master, compute
         home, and the device copy. Optimizer moments are left as they are."""
-        p, m = self.p, self.p.modes
+        p = self.p
         p.gradients.drain()
         p.residency.drop_copy(u)  # fetched again, with the new values, when next used
         # In memory buffers are written in place; NVMe homes are read, written and stored back.
