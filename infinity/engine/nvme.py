@@ -15,6 +15,12 @@ written back. A unit's fp32 gradients stay in a host buffer from its first
 gradient to its update; with ``overlap="backward"`` they never touch the disk.
 Otherwise they are written to the swap files when the unit's backward is done
 and read back by ``step()``.
+
+Where the code is: the cache, its write-back and the reclaim ladder in
+host_cache.py; the optimizer state's check-out, read-ahead and check-in in
+optstate.py; the pipeline and the updates during backward in schedule.py;
+gradient spills in grads.py. This file only names the swap keys and counts
+the bytes.
 """
 
 from __future__ import annotations
