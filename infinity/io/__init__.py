@@ -4,7 +4,7 @@
   striped, checksummed, O_DIRECT; ``write``/``read`` return an :class:`IOHandle`.
 - :class:`HostPool`: page-locked, 4 KiB-aligned host buffers under a hard budget.
 - Engines that move the bytes: the native one (io_uring or a thread pool,
-  ``native/src/io_engine.cpp``) and a pure-Python fallback.
+  ``native/src/io_*.cpp``) and a pure-Python fallback.
 
 See docs/io.md.
 """

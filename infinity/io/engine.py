@@ -97,13 +97,13 @@ def crc32c(data_ptr: int, nbytes: int, crc: int = 0) -> int:
     return int(_lib().inf_crc32c(crc, data_ptr, nbytes))
 
 
-CHUNK_MAX = 256 << 10  # bytes: the largest checksum chunk (kStageBlock in native/src/io_engine.cpp)
+CHUNK_MAX = 256 << 10  # bytes: the largest checksum chunk (kStageBlock in native/src/io_request.h)
 
 
 def chunk_bytes(block_size: int) -> int:
     """Bytes per checksum chunk of an engine with this block size: the largest
     power of two dividing both it and 256 KiB (``chunk_bytes_for`` in
-    native/src/io_engine.cpp), so a chunk never straddles a block. Part of the
+    native/src/io_request.h), so a chunk never straddles a block. Part of the
     store's format (every engine must agree), hence a constant here, checked
     against the native rule by the tests."""
     c = CHUNK_MAX

@@ -4,7 +4,7 @@ Serves when the native library is not built (or ``backend="python"``). Each
 block runs ``os.preadv``/``os.pwrite`` on a worker thread (both release the
 GIL), with the same block split, bounce staging, short-transfer retry, per-
 block error checks, checksum chunks and error messages as
-``native/src/io_engine.cpp``. Checksums are CRC32C when the native library is
+``native/src/io_*.cpp``. Checksums are CRC32C when the native library is
 loadable, else zlib's CRC-32; the store records which (``checksum_name``).
 """
 
