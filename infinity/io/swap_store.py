@@ -6,14 +6,11 @@ ordering between operations on one key. Moving bytes is the engine's job
 (:class:`~infinity.io.engine.NativeEngine` or
 :class:`~infinity.io.fallback.PythonEngine`).
 
-[Note: zero-copy and bounce]
-O_DIRECT needs 4 KiB-aligned memory, offsets and lengths. A tensor whose data
-pointer is 4 KiB-aligned (every :class:`~infinity.io.HostPool` buffer) moves
-straight between its memory and the disk, except its last ``nbytes % 4096``
-bytes, which go through a 4 KiB staging buffer so that nothing beyond the
-tensor is read or written. Any other tensor is staged block by block through
-staging buffers (pinned, from the store's own :class:`HostPool`), with the
-copy of one block overlapped with the transfer of others, inside the engine.
+This module is the public façade, the keys' index and the ordering of
+operations on one key; its parts: ``swap_path`` (one directory: lock, data
+file, O_DIRECT), ``swap_layout`` (entries, striping, extents),
+``swap_transfer`` (requests, staging: [Note: zero-copy and bounce]),
+``swap_sums`` (checksums) and ``swap_handle`` (:class:`IOHandle`).
 
 [Note: ordering on one key]
 Operations on different keys run concurrently. On the same key, a ``read``
@@ -24,287 +21,26 @@ half-written extent, and extents are never reused under a transfer.
 
 from __future__ import annotations
 
-import array
-import collections
-import ctypes
-import errno as _errno
-import fcntl
 import os
 import threading
-import time
-from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Optional, Sequence, Union
 
 import torch
 
-from .engine import ALIGN, READ, WRITE, NativeEngine, chunk_bytes, crc_count, native_available
-from .errors import PoolExhausted, StoreLockedError, SwapFullError, SwapIOError
-from .extent_allocator import ExtentAllocator
+from .engine import ALIGN, READ, WRITE, NativeEngine, chunk_bytes, native_available
+# The error classes the store raises, importable from here as before.
+from .errors import PoolExhausted, StoreLockedError, SwapFullError, SwapIOError  # noqa: F401
 from .fallback import PythonEngine
 from .host_pool import HostPool, _warn_once
+from .swap_handle import IOHandle
+from .swap_layout import _Entry, _Layout
+from .swap_path import LOCK_NAME, _SwapPath  # noqa: F401  (LOCK_NAME: as before)
+from .swap_sums import given_sums, keep_sums
+from .swap_transfer import _round_up, _Transfers, staging_pool
 
 __all__ = ["SwapStore", "IOHandle"]
 
-LOCK_NAME = ".infinity-swap.lock"
 MiB = 1 << 20
-
-
-def _as_u32(values) -> array.array:
-    """``values`` (an array('I'), a ctypes/numpy uint32 array, a list) as an array('I')."""
-    if isinstance(values, array.array) and values.typecode == "I":
-        return values
-    out = array.array("I")
-    try:
-        mv = memoryview(values)
-    except TypeError:
-        return array.array("I", values)
-    if mv.itemsize != out.itemsize:
-        raise TypeError(f"crcs: expected 32-bit unsigned sums, got items of {mv.itemsize} bytes")
-    out.frombytes(mv.cast("B"))
-    return out
-
-
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _fs_free(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-@dataclass
-class _Piece:
-    """The part of a key's bytes ``[rel, rel + nbytes)`` stored at ``offset`` of one path's file."""
-
-    path_index: int
-    offset: int
-    rel: int
-    nbytes: int
-    crcs: Optional[array.array] = None  # uint32 per checksum chunk; set when the write completes
-
-
-@dataclass
-class _Entry:
-    key: Hashable
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple
-    pieces: List[_Piece]
-    pending: List["IOHandle"] = field(default_factory=list)  # transfers in flight on this key
-    stored: bool = False  # True once a write completed successfully
-
-
-class _SwapPath:
-    """One swap directory: its lock, its data file, its allocator."""
-
-    def __init__(self, directory: str, index: int):
-        self.dir = os.path.abspath(directory)
-        self.index = index
-        self.created_dir = False
-        self.lock_fd = -1
-        self.lock_path = os.path.join(self.dir, LOCK_NAME)
-        self.created_lock = False
-        self.file_path = ""
-        self.fd = -1
-        self.file_id = -1
-        self.direct = False
-        self.alloc = ExtentAllocator(0, ALIGN)
-
-    # Directory and lock -----------------------------------------------------------
-
-    def lock(self) -> None:
-        if not os.path.isdir(self.dir):
-            try:
-                os.makedirs(self.dir, mode=0o700)
-                self.created_dir = True
-                os.chmod(self.dir, 0o700)  # the umask may have narrowed or widened makedirs' mode
-            except FileExistsError:
-                pass
-        while True:
-            try:
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                created = True
-            except FileExistsError:
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CLOEXEC)
-                created = False
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                try:
-                    owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                finally:
-                    os.close(fd)
-                raise StoreLockedError(
-                    f"swap directory '{self.dir}' is in use by another SwapStore (pid {owner}; lock file "
-                    f"'{self.lock_path}'). Give this run its own directory, or stop the other one.") from None
-            # The previous owner may have unlinked the file between our open and
-            # our flock: then we hold a lock on a deleted inode. Check, retry.
-            try:
-                same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        self.lock_fd, self.created_lock = fd, created
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-
-    # Data file ------------------------------------------------------------------------
-
-    def open_file(self, engine, probe_buf, want_direct: bool) -> None:
-        n = 0
-        while True:
-            name = os.path.join(self.dir, f"swap-{os.getpid()}-{n}.bin")
-            try:
-                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                break
-            except FileExistsError:  # a crashed run's file, or another store's: not ours to touch
-                n += 1
-        self.file_path, self.fd = name, fd
-        if want_direct and hasattr(os, "O_DIRECT"):
-            reason = self._try_direct(probe_buf)
-            if reason:
-                _warn_once("odirect:" + self.dir,
-                           f"infinity.io.SwapStore: O_DIRECT refused for '{self.file_path}' ({reason}); "
-                           "using buffered I/O for this path, so the page cache holds a copy of swapped data")
-        self.file_id = engine.register(self.fd, self.file_path)
-
-    def _try_direct(self, probe_buf) -> str:
-        try:
-            dfd = os.open(self.file_path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
-        except OSError as exc:
-            return f"open with O_DIRECT: {exc.strerror}"
-        # Some filesystems accept the flag at open and refuse the transfer (or
-        # the reverse): probe one aligned 4 KiB write and read.
-        try:
-            view = memoryview((ctypes.c_char * ALIGN).from_address(probe_buf.ptr)).cast("B")
-            os.pwrite(dfd, view, 0)
-            os.preadv(dfd, [view], 0)
-        except OSError as exc:
-            os.close(dfd)
-            return f"4 KiB O_DIRECT probe: {exc.strerror}"
-        os.close(self.fd)
-        self.fd = dfd
-        self.direct = True
-        return ""
-
-    def grow(self, nbytes: int, what: str) -> None:
-        """Preallocate ``nbytes`` more bytes at the end of the file (fallocate)."""
-        old = self.alloc.capacity
-        free = _fs_free(self.dir)
-        if free < nbytes:
-            raise SwapFullError(_errno.ENOSPC,
-                                f"swap path '{self.dir}' is too small: {what} needs {nbytes} more bytes in "
-                                f"'{self.file_path}', the filesystem has {free} bytes free")
-        try:
-            os.posix_fallocate(self.fd, old, nbytes)
-        except OSError as exc:
-            raise SwapFullError(exc.errno,
-                                f"cannot preallocate {nbytes} bytes at offset {old} of '{self.file_path}' "
-                                f"for {what}: {exc.strerror} (errno {exc.errno}); the filesystem has "
-                                f"{_fs_free(self.dir)} bytes free") from None
-        self.alloc.grow(old + nbytes)
-
-    def close(self, engine) -> None:
-        if self.file_id >= 0:
-            engine.unregister(self.file_id)
-            self.file_id = -1
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if self.file_path:
-            try:
-                os.unlink(self.file_path)
-            except FileNotFoundError:
-                pass
-            self.file_path = ""
-        if self.lock_fd >= 0:
-            if self.created_lock:
-                try:
-                    os.unlink(self.lock_path)  # before unlocking: see the inode check in lock()
-                except FileNotFoundError:
-                    pass
-            os.close(self.lock_fd)
-            self.lock_fd = -1
-        if self.created_dir:
-            try:
-                os.rmdir(self.dir)  # only if empty: files of others stay
-            except OSError:
-                pass
-            self.created_dir = False
-
-
-class IOHandle:
-    """An asynchronous :meth:`SwapStore.write` or :meth:`SwapStore.read`.
-
-    :meth:`wait` blocks (without holding the GIL) until every part of the
-    transfer ended and raises the first error, naming the key. It may be called
-    any number of times, from any thread.
-    """
-
-    def __init__(self, store: "SwapStore", key: Hashable, op: str, nbytes: int):
-        self.key = key
-        self.op = op
-        self.nbytes = nbytes
-        self._store = store
-        self._tickets: List[int] = []
-        self._staging: list = []
-        self._keep: list = []
-        self._on_done = None
-        self._lock = threading.Lock()
-        self._finished = False
-        self._error: Optional[BaseException] = None
-
-    def done(self) -> bool:
-        """True when the transfer has ended (successfully or not); never blocks."""
-        if self._finished:
-            return True
-        eng = self._store._engine
-        return all(eng.done(t) for t in self._tickets)
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        """Wait at most ``timeout`` seconds (None: forever); returns the bytes moved.
-
-        Raises :class:`SwapIOError` (errno set), :class:`ChecksumError`, or
-        :class:`TimeoutError` if the transfer is still running at the deadline.
-        """
-        if not self._complete(timeout):
-            raise TimeoutError(f"{self.op} of key {self.key!r} ({self.nbytes} bytes) still running after "
-                               f"{timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self.nbytes
-
-    def _complete(self, timeout: Optional[float] = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            if self._finished:
-                return True
-            eng = self._store._engine
-            while self._tickets:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    if not eng.wait(self._tickets[0], left):
-                        return False
-                except SwapIOError as exc:
-                    if self._error is None:
-                        self._error = type(exc)(exc.errno, f"{self.op} of key {self.key!r} failed: {exc.strerror}")
-                self._tickets.pop(0)
-            for buf in self._staging:
-                buf.release()
-            self._staging.clear()
-            if self._on_done is not None:
-                self._on_done(self._error)
-            self._keep.clear()
-            self._finished = True
-        self._store._handle_finished(self)
-        return True
-
-    def __repr__(self) -> str:
-        state = "done" if self._finished else "pending"
-        return f"IOHandle({self.op} {self.key!r}, {self.nbytes} bytes, {state})"
 
 
 class SwapStore:
@@ -351,6 +87,40 @@ class SwapStore:
                  checksum: bool = True, backend: str = "auto", direct: bool = True,
                  stripe_bytes: Optional[int] = None, staging_bytes: int = 128 * MiB,
                  host_pool: Optional[HostPool] = None, grow_bytes: int = 256 * MiB):
+        paths = self._check_args(paths, block_size, backend)
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self.checksum = checksum
+        self.stripe_bytes = block_size if stripe_bytes is None else stripe_bytes
+        self.capacity_bytes = capacity_bytes
+        self.grow_bytes = _round_up(max(grow_bytes, ALIGN))
+        self._lock = threading.RLock()
+        self._index: Dict[Hashable, _Entry] = {}
+        self._closed = False
+        self._paths: List[_SwapPath] = []
+        self._layout = _Layout(self._paths, block_size, self.stripe_bytes, capacity_bytes, self.grow_bytes)
+        self._engine = None
+        self._transfers: Optional[_Transfers] = None
+        self._own_pool = host_pool is None
+        self._pool, stage_share = staging_pool(len(paths), block_size, staging_bytes, host_pool)
+        try:
+            self._engine = self._make_engine(backend)
+            self.backend = self._engine.backend
+            self.checksum_name = self._engine.checksum_name if checksum else None
+            self._transfers = _Transfers(self._lock, self._engine, self._paths, self._pool, stage_share,
+                                         block_size, queue_depth, checksum)
+            self._open_paths(paths, direct)
+            if capacity_bytes is not None:
+                share = _round_up(-(-capacity_bytes // len(paths)))
+                for sp in self._paths:
+                    sp.grow(share, f"capacity_bytes={capacity_bytes} over {len(paths)} path(s)")
+        except BaseException:
+            self._teardown()
+            raise
+
+    @staticmethod
+    def _check_args(paths, block_size: int, backend: str) -> List[str]:
+        """The paths as a list of strings, once the arguments are checked."""
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         paths = [os.fspath(p) for p in paths]
@@ -362,45 +132,17 @@ class SwapStore:
             raise ValueError(f"block_size={block_size} must be a positive multiple of {ALIGN} bytes")
         if backend not in ("auto", "io_uring", "threads", "python"):
             raise ValueError(f"backend={backend!r}: choose 'auto', 'io_uring', 'threads' or 'python'")
-        self.block_size = block_size
-        self.queue_depth = queue_depth
-        self.checksum = checksum
-        self.stripe_bytes = block_size if stripe_bytes is None else stripe_bytes
-        self.capacity_bytes = capacity_bytes
-        self.grow_bytes = _round_up(max(grow_bytes, ALIGN))
-        self._lock = threading.RLock()
-        self._index: Dict[Hashable, _Entry] = {}
-        self._outstanding: "collections.OrderedDict[int, IOHandle]" = collections.OrderedDict()
-        self._closed = False
-        self._paths: List[_SwapPath] = []
-        self._engine = None
-        self._own_pool = host_pool is None
-        # Each bounced transfer of one path gets a share; two per path keep
-        # reads and writes of consecutive keys overlapped.
-        min_staging = 2 * len(paths) * block_size
-        if self._own_pool:
-            self._pool = HostPool(max(staging_bytes, min_staging))
-        else:
-            self._pool = host_pool
-        self._stage_share = max(block_size, (min(staging_bytes, self._pool.capacity_bytes) //
-                                             (2 * len(paths))) // block_size * block_size)
-        try:
-            self._engine = self._make_engine(backend)
-            self.backend = self._engine.backend
-            self.checksum_name = self._engine.checksum_name if checksum else None
-            with self._pool.acquire(ALIGN) as probe:
-                for i, p in enumerate(paths):
-                    sp = _SwapPath(p, i)
-                    sp.lock()
-                    self._paths.append(sp)
-                    sp.open_file(self._engine, probe, direct)
-            if capacity_bytes is not None:
-                share = _round_up(-(-capacity_bytes // len(paths)))
-                for sp in self._paths:
-                    sp.grow(share, f"capacity_bytes={capacity_bytes} over {len(paths)} path(s)")
-        except BaseException:
-            self._teardown()
-            raise
+        return paths
+
+    def _open_paths(self, paths: List[str], direct: bool) -> None:
+        """Locks each directory and opens its data file (O_DIRECT probed with
+        one staging buffer)."""
+        with self._pool.acquire(ALIGN) as probe:
+            for i, p in enumerate(paths):
+                sp = _SwapPath(p, i)
+                sp.lock()
+                self._paths.append(sp)
+                sp.open_file(self._engine, probe, direct)
 
     def _make_engine(self, backend: str):
         if backend == "python":
@@ -472,53 +214,35 @@ class SwapStore:
         src = self._source(tensor, "write")
         n = src.numel() * src.element_size()
         if crcs is not None and self.checksum:
-            if self.sum_chunk_bytes is None:
-                raise ValueError(f"write of key {key!r}: crcs given, but this store keeps "
-                                 f"{self.checksum_name} sums, not CRC32C")
-            need = crc_count(n, self.block_size)
-            crcs = _as_u32(crcs)
-            if len(crcs) != need:
-                raise ValueError(f"write of key {key!r}: {len(crcs)} crcs given; {n} bytes have {need} "
-                                 f"checksum chunks of {self.sum_chunk_bytes} bytes")
+            crcs = given_sums(key, crcs, n, self.block_size, self.sum_chunk_bytes, self.checksum_name)
         else:
             crcs = None
         self._settle(key)
         with self._lock:
-            old = self._index.pop(key, None)
-            if old is not None and old.nbytes == n:  # same size: overwrite in place
-                pieces = [_Piece(p.path_index, p.offset, p.rel, p.nbytes) for p in old.pieces]
-            else:
-                if old is not None:
-                    self._free_pieces(old.pieces)
-                pieces = self._place(key, n)
+            pieces = self._layout.replace(self._index.pop(key, None), key, n)
             entry = _Entry(key, n, src.dtype, tuple(src.shape), pieces)
             self._index[key] = entry
         handle = IOHandle(self, key, "write", n)
         handle._keep.append(src)
-        arrays = []
-
-        def on_done(error):
-            with self._lock:
-                if error is None:
-                    for piece, (body, tail) in zip(entry.pieces, arrays):
-                        if self.checksum:
-                            # Raw uint32s, copied as bytes: a 1 GiB key has 4096 chunks.
-                            crcs = array.array("I")
-                            for arr in (body, tail):
-                                if arr is not None:
-                                    crcs.frombytes(memoryview(arr).cast("B"))
-                            piece.crcs = crcs
-                    entry.stored = True
-                elif self._index.get(key) is entry:
-                    del self._index[key]
-                    self._free_pieces(entry.pieces)
-                if handle in entry.pending:
-                    entry.pending.remove(handle)
-
-        handle._on_done = on_done
+        arrays: list = []
+        handle._on_done = lambda error: self._write_done(entry, handle, arrays, error)
         entry.pending.append(handle)
-        self._submit(handle, WRITE, entry, src.data_ptr(), arrays, crcs)
+        self._transfers.submit(handle, WRITE, entry, src.data_ptr(), arrays, crcs)
         return handle
+
+    def _write_done(self, entry: _Entry, handle: IOHandle, arrays: list, error) -> None:
+        """A write ended: its pieces keep their sums (``arrays``), or, if it
+        failed, the key is dropped (unless a later write replaced it)."""
+        with self._lock:
+            if error is None:
+                if self.checksum:
+                    keep_sums(entry.pieces, arrays)
+                entry.stored = True
+            elif self._index.get(entry.key) is entry:
+                del self._index[entry.key]
+                self._layout.free_pieces(entry.pieces)
+            if handle in entry.pending:
+                entry.pending.remove(handle)
 
     def read(self, key: Hashable, out: torch.Tensor) -> IOHandle:
         """Start reading ``key`` into ``out``; returns a handle to wait on.
@@ -546,7 +270,7 @@ class SwapStore:
                 handle._on_done = lambda error: self._drop_pending(entry, handle)
                 entry.pending.append(handle)
                 break
-        self._submit(handle, READ, entry, dst.data_ptr(), [])
+        self._transfers.submit(handle, READ, entry, dst.data_ptr(), [])
         return handle
 
     def free(self, key: Hashable) -> None:
@@ -555,12 +279,12 @@ class SwapStore:
         self._settle(key)
         with self._lock:
             entry = self._index.pop(key)
-            self._free_pieces(entry.pieces)
+            self._layout.free_pieces(entry.pieces)
 
     def wait_all(self) -> None:
         """Wait for every transfer in flight; raises the first error met."""
         first = None
-        for h in list(self._outstanding.values()):
+        for h in self._transfers.pending():
             try:
                 h.wait()
             except (SwapIOError, TimeoutError) as exc:
@@ -585,7 +309,7 @@ class SwapStore:
         any directory it created (if empty). Idempotent."""
         if self._closed:
             return
-        for h in list(self._outstanding.values()):
+        for h in self._transfers.pending():
             h._complete()
         self._teardown()
 
@@ -647,134 +371,8 @@ class SwapStore:
             if handle in entry.pending:
                 entry.pending.remove(handle)
 
-    def _plan(self, n: int) -> List[_Piece]:
-        """Split of ``n`` bytes over paths (offsets left unset)."""
-        k = len(self._paths)
-        if n == 0:
-            return []
-        if k > 1 and n > self.stripe_bytes:
-            # Shares are whole checksum chunks, so the sums of each piece are
-            # a slice of the key's (see write(crcs=)).
-            c = chunk_bytes(self.block_size)
-            share = -(-n // (k * c)) * c
-            pieces, rel = [], 0
-            for i in range(k):
-                ln = min(share, n - rel)
-                if ln <= 0:
-                    break
-                pieces.append(_Piece(i, -1, rel, ln))
-                rel += ln
-            return pieces
-        # Whole on one path: the one with most free space (ties: lowest index).
-        best = max(range(k), key=lambda i: (self._paths[i].alloc.free_bytes, -i))
-        return [_Piece(best, -1, 0, n)]
-
-    def _place(self, key: Hashable, n: int) -> List[_Piece]:
-        pieces = self._plan(n)
-        done: List[_Piece] = []
-        try:
-            for p in pieces:
-                p.offset = self._alloc_on(self._paths[p.path_index], p.nbytes, key)
-                done.append(p)
-        except BaseException:
-            self._free_pieces(done)
-            raise
-        return pieces
-
-    def _alloc_on(self, sp: _SwapPath, nbytes: int, key: Hashable) -> int:
-        off = sp.alloc.alloc(nbytes)
-        if off is not None:
-            return off
-        need = sp.alloc.round(nbytes)
-        if self.capacity_bytes is not None:
-            raise SwapFullError(_errno.ENOSPC,
-                                f"swap store full: key {key!r} needs {need} bytes on '{sp.dir}', which has "
-                                f"{sp.alloc.free_bytes} of {sp.alloc.capacity} bytes free (largest free "
-                                f"extent {sp.alloc.largest_free()} bytes); raise capacity_bytes or free keys")
-        what = f"key {key!r} ({nbytes} bytes)"
-        try:
-            sp.grow(max(need, self.grow_bytes), what)
-        except SwapFullError:
-            if need >= self.grow_bytes:
-                raise
-            sp.grow(need, what)  # the disk may still hold what this key needs
-        off = sp.alloc.alloc(nbytes)
-        assert off is not None
-        return off
-
-    def _free_pieces(self, pieces: List[_Piece]) -> None:
-        for p in pieces:
-            if p.offset >= 0:
-                self._paths[p.path_index].alloc.free(p.offset)
-
-    def _stage(self, nbytes: int, exclude: IOHandle):
-        """A staging buffer; completes older transfers when the pool is spent."""
-        while True:
-            try:
-                return self._pool.acquire(nbytes, block=False)
-            except PoolExhausted:
-                with self._lock:
-                    older = next((h for h in self._outstanding.values() if h is not exclude), None)
-                if older is None:
-                    # Held by transfers of other threads (or a shared pool): wait for them.
-                    return self._pool.acquire(nbytes, block=True, timeout=600)
-                older._complete()
-
-    def _submit(self, handle: IOHandle, op: int, entry: _Entry, base_ptr: int, arrays: list,
-                given=None) -> None:
-        """Submits ``entry``'s pieces; ``arrays`` receives each piece's checksum
-        arrays (body, tail). ``given``: a write's sums for the whole key, from
-        its producer."""
-        eng = self._engine
-        B = self.block_size
-        C = chunk_bytes(B)
-        with self._lock:
-            self._outstanding[id(handle)] = handle
-        try:
-            for piece in entry.pieces:
-                fid = self._paths[piece.path_index].file_id
-                ptr = base_ptr + piece.rel
-                n = piece.nbytes
-                body = n // ALIGN * ALIGN if ptr % ALIGN == 0 else 0
-                verify = op == READ and self.checksum
-                # Sums passed in: the stored ones (reads) or the producer's (writes).
-                sums = piece.crcs if verify else (  # a view: the ctypes arrays below copy once
-                    memoryview(given)[piece.rel // C: piece.rel // C + crc_count(n, B)] if given is not None
-                    else None)
-                body_arr = tail_arr = None
-                if body:
-                    if self.checksum:
-                        cnt = crc_count(body, B)
-                        body_arr = ((ctypes.c_uint32 * cnt).from_buffer_copy(sums) if sums is not None
-                                    else (ctypes.c_uint32 * cnt)())
-                    handle._tickets.append(eng.submit(op, fid, piece.offset, ptr, body, 0, 0, body_arr,
-                                                      sums is not None))
-                rest = n - body
-                if rest:
-                    # The engine moves a staged request through slots of
-                    # stage_block(op) bytes with at most queue_depth of them
-                    # in flight: more would sit unused.
-                    slot = min(eng.stage_block(op), _round_up(rest))
-                    nslots = max(1, min(-(-rest // slot), self.queue_depth, self._stage_share // slot))
-                    buf = self._stage(slot * nslots, handle)
-                    handle._staging.append(buf)
-                    if self.checksum:
-                        cnt = crc_count(rest, B)
-                        tail_arr = ((ctypes.c_uint32 * cnt).from_buffer_copy(sums, 4 * (len(sums) - cnt))
-                                    if sums is not None else (ctypes.c_uint32 * cnt)())
-                    handle._tickets.append(eng.submit(op, fid, piece.offset + body, ptr + body, rest, buf.ptr,
-                                                      buf.capacity, tail_arr, sums is not None))
-                handle._keep.append((body_arr, tail_arr))
-                arrays.append((body_arr, tail_arr))
-        except BaseException as exc:
-            # Wait for what was submitted, release staging; a write then drops the key.
-            handle._error = exc
-            handle._complete()
-            raise
-
     def _handle_finished(self, handle: IOHandle) -> None:
-        with self._lock:
-            self._outstanding.pop(id(handle), None)
+        self._transfers.finished(handle)
 
     def _teardown(self) -> None:
         self._closed = True
