@@ -10,6 +10,7 @@ AdamW and ZeRO stages 1-3. See docs/architecture.md.
 from . import native, optim
 from .api import close, full_state_dict, initialize, stats
 from .config import Config
+from .engine.faults import EngineFailedError
 from .engine.tiers import BudgetError
 from .lazy_init import init
 from .pretrained import load_pretrained
@@ -18,4 +19,4 @@ from .optim import CPUAdamW
 __version__ = "0.1.0"
 
 __all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "full_state_dict", "BudgetError",
-           "init", "load_pretrained", "close", "__version__"]
+           "EngineFailedError", "init", "load_pretrained", "close", "__version__"]

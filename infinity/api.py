@@ -215,6 +215,11 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     delayed mode the queued update is applied first."""
     eng = engine_of(model)
     eng.optimizer.flush()
+    with eng.faults.guard("infinity.full_state_dict()"):
+        return _full_state_dict(model, eng)
+
+
+def _full_state_dict(model: nn.Module, eng: Engine) -> Dict[str, torch.Tensor]:
     eng.gradients.drain()
     out: Dict[str, torch.Tensor] = {}
     cache: dict = {}
@@ -234,8 +239,10 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def close(model: nn.Module) -> None:
-    """Releases ``model``'s engine: stops its threads, removes its swap files.
-    The model cannot train after this."""
+    """Releases ``model``'s engine: stops its threads, removes its swap files
+    and its lock. Always tears down, also after a fault (errors met on the way
+    are warned about, not raised); safe to call again. The model cannot train
+    after this."""
     eng = _ENGINES.pop(model, None)
     if eng is not None:
         eng.hooks.remove()

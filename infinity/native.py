@@ -239,3 +239,18 @@ def info() -> dict:
         "build": l.inf_build_info().decode(),
         "library": l._name,
     }
+
+
+_ARRAY_TYPES: dict = {}
+
+
+def carray(ctype, n: int):
+    """The ctypes array type of ``n`` ``ctype`` elements, kept for good.
+    ctypes keeps these types weakly, and a type is always in a reference
+    cycle: one made per call and dropped leaves garbage for the cycle
+    collector every step."""
+    key = (ctype, n)
+    t = _ARRAY_TYPES.get(key)
+    if t is None:
+        t = _ARRAY_TYPES[key] = ctype * n
+    return t

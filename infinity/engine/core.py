@@ -26,8 +26,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from ..config import Config
+from .. import sysinfo
+from ..config import Config, format_bytes
 from .device_budget import DeviceBudget
+from .faults import FaultState
 from .grads import Gradients
 from .host_cache import HostCache
 from .mover import DeferredTicket, make_mover
@@ -38,7 +40,7 @@ from .residency import Residency
 from .saved import SavedTensorRouter
 from .state import DeviceState, Quiet
 from .stats import Stats
-from .tiers import DeviceTier, HostTier
+from .tiers import BudgetError, DeviceTier, HostTier
 from .trace import Trace
 from .units import build_units
 from .values import Values
@@ -53,6 +55,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, group_of: Dict[int, int], process_group=None):
         self.model, self.config = model, config
         self.stats, self.trace, self.quiet = Stats(), Trace(), Quiet()
+        self.faults = FaultState(self.describe_steps)  # See [Note: a run is consistent or it says so]
         self.device = config.resolve_device()
         self.mover = make_mover(self.device)
         weakref.finalize(self, self.mover.close, False)  # worker threads end with the engine
@@ -97,7 +100,7 @@ class Engine:
         self.budget = DeviceBudget(self)
         dev_tier = self.budget.first_tier()
         need = host_need([u.place for u in self.units], modes)
-        self.host_budget = cfg.host_memory if cfg.host_memory is not None else int(_available_ram() * 0.8)
+        self.host_budget = self._host_budget(need)
         host_tier = HostTier(need.capacity, self.host_budget, pin=self.device.type == "cuda",
                              need_bytes=need.minimum, device=self.device)
         self.nvme = None
@@ -115,6 +118,27 @@ class Engine:
         self.cache.drop_read_ahead = self.optstate.drop_read_ahead
         self.residency = Residency(self.units, modes, dev_tier, self.mover, self.trace, self.stats, self.sharding,
                                    self.cache, self.device_minimum, self.quiet)
+
+    def _host_budget(self, need) -> int:
+        """``host_memory``, or 80% of the memory this process may use (the
+        machine's, or its cgroup's if smaller); refused if the pool would not
+        fit what the process may use (the OOM killer would end it)."""
+        given = self.config.host_memory
+        room = sysinfo.available_ram()
+        budget = given if given is not None else int(room * 0.8)
+        if given is None and need.minimum > budget:
+            raise BudgetError(
+                f"host tier: the model state placed on the host needs {need.minimum} bytes "
+                f"({format_bytes(need.minimum)}), more than the default host_memory of {budget} bytes: 80% of "
+                f"what this process may use ({sysinfo.describe()}). Raise the memory limit, offload to 'nvme' "
+                "or lower prefetch_depth")
+        pool = min(need.capacity, budget)
+        if pool > room:
+            raise BudgetError(
+                f"host tier: a pool of {pool} bytes ({format_bytes(pool)}) for host_memory={given} is more than "
+                f"this process may still use, {room} bytes ({sysinfo.describe()}): it would be killed by the "
+                f"OOM killer. Give host_memory at most {int(room * 0.9)} bytes, or raise the memory limit")
+        return budget
 
     # -- the device budget ------------------------------------------------------------------
 
@@ -158,13 +182,16 @@ class Engine:
 
     def fetch(self, u) -> None:
         """``u`` computes now: fetched (waiting for a prefetch), pinned, next units prefetched."""
+        self.residency.settle()
         self.residency.fetch(u)
 
     def fetch_for_backward(self, u) -> None:
+        self.residency.settle()
         self.residency.fetch_for_backward(u)
 
     def ensure_for_unpack(self, u) -> None:
-        self.residency.ensure_for_unpack(u)
+        with self.faults.guard("backward (a saved tensor)"):
+            self.residency.ensure_for_unpack(u)
 
     def settle(self) -> None:
         self.residency.settle()
@@ -246,6 +273,7 @@ class Engine:
     def on_grad(self, u, ti: int, p: nn.Parameter) -> None:
         """A parameter's gradient is complete: it leaves the device; on ``u``'s
         last one, the schedule may start on ``u`` (reduction, update)."""
+        self.residency.settle()
         if self.gradients.take(u, ti, p):
             self.schedule.unit_ready(u)
 
@@ -283,6 +311,15 @@ class Engine:
         t = self.cache.read_compute(u)
         return t if t is not None else self.residency.permanent_copy(u)
 
+    def describe_steps(self) -> str:
+        """Each unit's optimizer step counts, for error messages (equal counts shown once)."""
+        parts = []
+        for u in self.units:
+            steps = sorted({s.step for s in u.layout.trainable_slots})
+            if steps:
+                parts.append(f"{u.name}: {steps[0] if len(steps) == 1 else steps}")
+        return ", ".join(parts) or "none trainable"
+
     def state_bytes(self) -> Dict[str, int]:
         """Bytes kept for good per kind of optimizer state (the ZeRO 1/N shares)."""
         out = self.optstate.kept_bytes()
@@ -296,13 +333,22 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._settle_collectives()
-        self.mover.synchronize()  # no copy may still read or write a buffer freed below
-        self.mover.close()
-        if self.nvme is not None:
-            self.cache.close()
-            self.nvme.close()
-        self.cache.close_pool()  # last: NVMe transfers use its buffers
+        # Every step runs whatever the one before met: a fault must not keep
+        # the lock, the files or the threads (see [Note: a run is consistent or it says so]).
+        problems = []
+        for name, step in (("collectives", self._settle_collectives), ("copies", self.mover.synchronize),
+                           ("threads", self.mover.close), ("writes", self.cache.close),
+                           ("swap files", self.nvme.close if self.nvme is not None else None),
+                           ("host pool", self.cache.close_pool)):  # last: NVMe transfers use its buffers
+            if step is None:
+                continue
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - reported below, the teardown goes on
+                problems.append(f"{name}: {type(e).__name__}: {e}")
+        if problems and not self.faults.failed:
+            warnings.warn("infinity.close: teardown met errors (the swap files are scratch, nothing saved was "
+                          "lost): " + "; ".join(problems), RuntimeWarning, stacklevel=3)
 
     def _settle_collectives(self, timeout_s: float = 30.0) -> None:
         """Waits (at most ``timeout_s`` seconds each) for collectives still in
@@ -326,15 +372,3 @@ class Engine:
         # destruction and are released on gloo's thread during shutdown.
         self.residency.drop_in_flight()
         self.cache.forget_transfers()
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 import torch
 
+from .faults import UsageError
 from .nvme import key as swap_key
 from .state import GradHome, GradState, transition
 from .units import Layout
@@ -55,6 +56,10 @@ class Gradients:
         self._reducing: list = []     # stages 2-3: units whose full gradients are being reduced
         self.window_closed = False    # See [Note: the accumulation window] in schedule.py
         self.micro_batches = 0        # backward passes since the last step
+        # Gradient buffers in the compute dtype have the size of compute copies,
+        # not of fp32 state: they come from the same end of the pool as the
+        # copies, so each size class's holes fit its own later requests.
+        self._with_copies = modes.grad_dtype != torch.float32
         for u in units:
             u.grads = GradRecord(written=[False] * len(u.layout.trainable_slots))
 
@@ -121,9 +126,9 @@ class Gradients:
         rec.pending -= 1
         return rec.pending == 0
 
-    def _window_error(self) -> RuntimeError:
+    def _window_error(self) -> UsageError:
         n = self.accum_steps
-        return RuntimeError(
+        return UsageError(
             f"backward() number {self.micro_batches + 1} before optimizer.step(), with "
             f"Config.grad_accumulation_steps={n}: the last backward of the accumulation window already "
             + ("ran the updates (overlap='backward')" if self.overlap == "backward"
@@ -176,7 +181,8 @@ class Gradients:
         it, or holding what was accumulated so far if it was spilled. Returns
         the read in flight when ``wait`` is False."""
         rec = u.grads
-        g, buf = self.cache.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u)
+        g, buf = self.cache.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u,
+                                    compute=self._with_copies)
         rec.grad, rec.buf = g, buf
         if rec.home is GradHome.SPILLED:
             rec.home = transition(u.name, "grad home", rec.home, GradHome.HOST)
@@ -209,7 +215,8 @@ class Gradients:
         rec = u.grads
         if rec.home is not GradHome.SPILLED:
             return None
-        g, buf = self.cache.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u)
+        g, buf = self.cache.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u,
+                                    compute=self._with_copies)
         rec.grad, rec.buf = g, buf
         rec.home = transition(u.name, "grad home", rec.home, GradHome.LOADED)
         h = self.nvme.read(swap_key(u.index, "grad"), g)

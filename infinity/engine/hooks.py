@@ -25,12 +25,12 @@ other, whose pin lasts until the module's backward is done (see ``_make_pre``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, List, Optional
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from .core import Engine
 from .units import Unit
@@ -50,14 +50,85 @@ def _in_backward() -> bool:
 
 def _internally(eng: Engine, fn, *args) -> None:
     """Runs an engine call that touches parameters itself, unseen by the
-    recording pass's watcher."""
-    with eng.quiet:
+    recording pass's watcher; a fault it raises fails the engine (see
+    [Note: a run is consistent or it says so])."""
+    with eng.faults.guard(_WHERE.get(fn.__name__, fn.__name__)), eng.quiet:
         fn(*args)
 
 
+_WHERE = {"fetch": "forward (a unit's fetch)", "fetch_for_backward": "backward (a unit's fetch)",
+          "end_backward_of": "backward", "on_grad": "backward (a gradient)"}
+
+
+def _leaves(obj: Any, out: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The tensors in ``obj`` (nested tuples, lists, dicts). A plain
+    recursive function: torch's tree_flatten builds a self-referencing
+    closure per call, a reference cycle per hook call that only a full
+    garbage collection frees."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _leaves(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _leaves(x, out)
+    return out
+
+
 def _grad_tensors(obj: Any) -> List[torch.Tensor]:
-    leaves, _ = tree_flatten(obj)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [t for t in _leaves(obj, []) if t.requires_grad]
+
+
+def _replace(obj: Any, new: dict) -> Any:
+    """``obj`` with each tensor whose id is in ``new`` replaced (plain tuples, lists and dicts rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return new.get(id(obj), obj)
+    if type(obj) in (list, tuple):
+        return type(obj)(_replace(x, new) for x in obj)
+    if type(obj) is dict:
+        return {k: _replace(v, new) for k, v in obj.items()}
+    return obj
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit call's inputs; its backward runs once the gradients
+    of all of them are complete: the call's backward is done.
+
+    [Note: hooks without reference cycles]
+    A hook that reaches the autograd graph from its closure (torch's
+    ``register_multi_grad_hook(mode="all")`` keeps the inputs' grad_fns to
+    count them) makes a cycle graph -> hook -> graph per unit call, and the
+    whole graph then waits for a full garbage collection: memory grows
+    between collections, unbounded by any budget. This Function (as FSDP2
+    does) and the per-tensor hooks of ``_on_first_grad`` reference only
+    long-lived objects (the hooks, the unit), so a graph is freed when
+    backward drops it."""
+
+    @staticmethod
+    def forward(ctx, hooks, u, *tensors):
+        ctx.hooks, ctx.unit = hooks, u
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hooks._post_backward(ctx.unit)
+        return (None, None) + grads
+
+
+def _on_first_grad(tensors: List[torch.Tensor], fn) -> None:
+    """Calls ``fn()`` at the first gradient that reaches any of ``tensors``,
+    once per backward (graph task); see [Note: hooks without reference cycles]."""
+    seen = {"task": None}
+
+    def hook(grad):
+        task = torch._C._current_graph_task_id()
+        if seen["task"] != task:
+            seen["task"] = task
+            fn()
+
+    for t in tensors:
+        t.register_hook(hook)
 
 
 class _Watcher(TorchFunctionMode):
@@ -104,7 +175,7 @@ class Hooks:
         self.handles.append(root.register_forward_hook(self._root_post, always_call=True))
         for u in eng.units[1:]:
             for m in u.modules:
-                self.handles.append(m.register_forward_pre_hook(self._make_pre(u)))
+                self.handles.append(m.register_forward_pre_hook(self._make_pre(u), with_kwargs=True))
                 self.handles.append(m.register_forward_hook(self._make_post(u), always_call=True))
         for u in eng.units:
             for ti, s in enumerate(u.layout.trainable_slots):
@@ -119,7 +190,8 @@ class Hooks:
 
     def _root_pre(self, module, args):
         eng = self.engine
-        eng.begin_pass(torch.is_grad_enabled())
+        with eng.faults.guard("forward"):
+            eng.begin_pass(torch.is_grad_enabled())
         if not eng.trace.has_trace and self._watcher is None:
             self._watcher = _Watcher(eng)
             self._watcher.__enter__()
@@ -133,17 +205,13 @@ class Hooks:
             w.__exit__(None, None, None)
         outs = _grad_tensors(output)
         if eng.pass_grad and outs:
-            fired = [False]
-
-            def at_backward_start(grads):
-                if not fired[0]:
-                    fired[0] = True
-                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-
-            torch.autograd.graph.register_multi_grad_hook(outs, at_backward_start, mode="any")
+            _on_first_grad(outs, self._at_backward_start)
         else:
             eng.end_pass()
         return None
+
+    def _at_backward_start(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
         self.engine.backward_done()
@@ -151,9 +219,8 @@ class Hooks:
     # -- units ------------------------------------------------------------------------
 
     def _make_pre(self, u: Unit):
-        def pre(module, args):
+        def pre(module, args, kwargs):
             eng = self.engine
-            eng.settle()
             _internally(eng, eng.fetch, u)
             in_bwd = _in_backward()
             if in_bwd:
@@ -164,12 +231,13 @@ class Hooks:
             grad = torch.is_grad_enabled()
             pushed = bool(grad and not in_bwd and eng.saved is not None and not u.dev.external and eng.saved.push())
             self._calls.append((module, not in_bwd, pushed))
-            if grad:
-                ins = _grad_tensors(args)
-                if ins:
-                    torch.autograd.graph.register_multi_grad_hook(ins, lambda grads: self._post_backward(u),
-                                                                  mode="all")
-            return None
+            ins = _grad_tensors((args, kwargs)) if grad else []
+            if not ins:
+                return None
+            # The call's inputs pass through _PostBackward, whose backward marks the end of its backward.
+            outs = _PostBackward.apply(self, u, *ins)
+            new = {id(a): b for a, b in zip(ins, outs)}
+            return _replace(args, new), _replace(kwargs, new)
         return pre
 
     def _make_post(self, u: Unit):
@@ -186,14 +254,12 @@ class Hooks:
             if output is not None and torch.is_grad_enabled():
                 outs = _grad_tensors(output)
                 if outs:
-                    torch.autograd.graph.register_multi_grad_hook(outs, lambda grads: self._pre_backward(u),
-                                                                  mode="any")
+                    _on_first_grad(outs, functools.partial(self._pre_backward, u))
             return None
         return post
 
     def _pre_backward(self, u: Unit) -> None:
         eng = self.engine
-        eng.settle()
         _internally(eng, eng.fetch_for_backward, u)
 
     def _post_backward(self, u: Unit) -> None:
@@ -202,7 +268,6 @@ class Hooks:
     def _make_grad_hook(self, u: Unit, ti: int):
         def hook(p):
             eng = self.engine
-            eng.settle()
             _internally(eng, eng.on_grad, u, ti, p)
         return hook
 

@@ -361,10 +361,19 @@ class HostCache:
     # -- teardown --------------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for the deferred writes; the caller closes the NVMe tier, then :meth:`close_pool`."""
+        """Waits for every deferred write (none may still read a buffer when
+        the pool goes); raises the first error met, after waiting for all.
+        The caller closes the NVMe tier, then :meth:`close_pool`."""
+        first = None
         with self.lock:
             for h, _ in self._deferred:
-                h.wait()
+                try:
+                    h.wait()
+                except Exception as e:  # noqa: BLE001 - the others are still waited for
+                    first = first or e
+            self._deferred = []
+        if first is not None:
+            raise first
 
     def close_pool(self) -> None:
         self.tier.close()

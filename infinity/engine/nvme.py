@@ -26,14 +26,16 @@ the bytes.
 from __future__ import annotations
 
 import os
-from typing import Hashable, Sequence
+import threading
+from typing import Hashable, Optional, Sequence
 
 import torch
 
 from ..io.swap_store import IOHandle, SwapStore
+from .faults import with_retries
 from .stats import Stats
 
-__all__ = ["NvmeTier", "key"]
+__all__ = ["NvmeTier", "RetryingHandle", "key"]
 
 
 def key(unit_index: int, kind: str) -> tuple:
@@ -59,30 +61,77 @@ class NvmeTier:
         self.used_bytes = 0
         self.peak_bytes = 0
         self._sizes: dict = {}
+        self.retried: list = []  # one line per transient error retried (see faults.with_retries)
+        self._writes: dict = {}  # key -> its last write (see _settle)
 
     @property
     def sum_chunk_bytes(self):
         """Chunk of the sums a producer may pass to :meth:`write` (None: none taken)."""
         return self.store.sum_chunk_bytes
 
-    def write(self, k: Hashable, t: torch.Tensor, crcs=None) -> IOHandle:
+    def write(self, k: Hashable, t: torch.Tensor, crcs=None) -> "RetryingHandle":
         """Starts writing ``t`` (a contiguous CPU tensor, unchanged until the handle completes);
-        ``crcs``: its sums, from the producer (:meth:`SwapStore.write <infinity.io.SwapStore.write>`)."""
+        ``crcs``: its sums, from the producer (:meth:`SwapStore.write <infinity.io.SwapStore.write>`).
+        Transient failures are retried when the handle is waited for."""
         n = t.numel() * t.element_size()
         if k not in self._sizes:
             self._sizes[k] = n
             self.used_bytes += n
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         self.stats.moved("nvme_write", n)
-        return self.store.write(k, t, crcs)
+        self._settle(k)
+        h = self._writes[k] = RetryingHandle(lambda: self.store.write(k, t, crcs), self.retried)
+        return h
 
-    def read(self, k: Hashable, out: torch.Tensor) -> IOHandle:
-        """Starts reading key ``k`` into ``out`` (exactly its byte size)."""
+    def read(self, k: Hashable, out: torch.Tensor) -> "RetryingHandle":
+        """Starts reading key ``k`` into ``out`` (exactly its byte size); a
+        transient failure or checksum mismatch is read again when waited for."""
         self.stats.moved("nvme_read", out.numel() * out.element_size())
-        return self.store.read(k, out)
+        self._settle(k)
+        return RetryingHandle(lambda: self.store.read(k, out), self.retried)
+
+    def _settle(self, k: Hashable) -> None:
+        """Waits for the last write of ``k`` (retrying it if it failed) before
+        another transfer of ``k``: a retry submitted after a later write would
+        overwrite it, and a read after a failed write would return the old bytes."""
+        w = self._writes.get(k)
+        if w is not None:
+            w.wait()
+            del self._writes[k]
 
     def __contains__(self, k: Hashable) -> bool:
         return k in self.store
 
     def close(self) -> None:
         self.store.close()
+
+
+class RetryingHandle:
+    """An I/O handle whose :meth:`wait` submits the transfer again after a
+    transient failure (faults.with_retries); waited once, it keeps its outcome."""
+
+    __slots__ = ("_submit", "_handle", "_log", "_error", "_waited", "_lock")
+
+    def __init__(self, submit, log: list):
+        self._submit, self._log = submit, log
+        self._handle = submit()
+        self._error: Optional[BaseException] = None
+        self._waited = False
+        self._lock = threading.Lock()  # the deferred frees and a later transfer of the key may both wait
+
+    def done(self) -> bool:
+        return self._waited or self._handle.done()
+
+    def wait(self) -> None:
+        """Blocks until the transfer is done; raises its error once retries are spent (and again on later waits)."""
+        with self._lock:
+            if not self._waited:
+                try:
+                    self._handle = with_retries(self._submit, self._handle, self._log)
+                except BaseException as e:
+                    self._error = e
+                finally:
+                    self._waited = True
+                    self._submit = None  # it holds the transfer's tensor: not one byte longer than needed
+        if self._error is not None:
+            raise self._error

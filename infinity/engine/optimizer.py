@@ -69,9 +69,10 @@ class InfinityOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             check_hyperparameters(float(g["lr"]), g["betas"], g["eps"], g["weight_decay"])
         eng = self.engine
-        if eng.in_pass and eng.pass_grad:
-            eng.end_pass()  # step() without a finished backward: release the pass
-        self.schedule.step(self)
+        with eng.faults.guard("optimizer.step()"):
+            if eng.in_pass and eng.pass_grad:
+                eng.end_pass()  # step() without a finished backward: release the pass
+            self.schedule.step(self)
         eng.gradients.open_window()
         eng.after_step()
         eng.stats.end_step_window()
@@ -131,12 +132,14 @@ class InfinityOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Delayed mode: wait for the queued update and apply it now (before
         evaluation, checkpointing or the end of training). No-op otherwise."""
-        self.schedule.flush()
+        with self.engine.faults.guard("optimizer.flush()"):
+            self.schedule.flush()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forgets accumulated gradients (the buffers are overwritten by the
         next backward rather than zeroed)."""
-        self.schedule.zero_grad()
+        with self.engine.faults.guard("optimizer.zero_grad()"):
+            self.schedule.zero_grad()
         for u in self.engine.units:
             for s in u.layout.slots:
                 s.param.grad = None
@@ -145,6 +148,62 @@ class InfinityOptimizer(torch.optim.Optimizer):
         """torch.optim.AdamW-format state (``step``, ``exp_avg``, ``exp_avg_sq``
         per parameter, CPU fp32 copies) and param groups."""
         self.flush()
+        with self.engine.faults.guard("optimizer.state_dict()"):
+            return self._state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state of :meth:`state_dict`'s format (torch.optim.AdamW's):
+        every parameter's moments and step count, and the param groups'
+        hyperparameters. The parameters themselves come from the model's own
+        state. Raises naming the group or parameter whose size differs;
+        nothing changes then."""
+        self.flush()
+        with self.engine.faults.guard("optimizer.load_state_dict()"):
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, sd: dict) -> None:
+        groups, saved = self.param_groups, sd.get("param_groups")
+        if not isinstance(saved, list) or len(saved) != len(groups) or \
+                any(len(g["params"]) != len(s.get("params", ())) for g, s in zip(groups, saved)):
+            raise ValueError(f"load_state_dict: the state has {len(saved or [])} param groups of sizes "
+                             f"{[len(s.get('params', ())) for s in saved or []]}; this optimizer has {len(groups)} of "
+                             f"sizes {[len(g['params']) for g in groups]}")
+        order = [p for g in groups for p in g["params"]]
+        saved_ids = [i for s in saved for i in s["params"]]
+        per_param = {id(p): sd["state"].get(i) for p, i in zip(order, saved_ids)}
+        eng = self.engine
+        for u in eng.units:
+            self._check_unit_state(u, per_param)
+        for g, s in zip(groups, saved):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        for u in eng.units:
+            if u.place.trainable:
+                self._load_unit(u, per_param)
+
+    @staticmethod
+    def _check_unit_state(u, per_param: dict) -> None:
+        for s in u.layout.trainable_slots:
+            st = per_param.get(id(s.param))
+            if st is None:
+                continue
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k not in st or tuple(st[k].shape) != tuple(s.shape):
+                    got = tuple(st[k].shape) if k in st else "missing"
+                    raise ValueError(f"load_state_dict: {k} of parameter {s.name!r} is {got}, the parameter "
+                                     f"is {tuple(s.shape)}")
+
+    def _load_unit(self, u, per_param: dict) -> None:
+        """One unit's moments and step counts from ``per_param`` (param id -> torch state or None)."""
+        m, v = torch.zeros(u.place.trainable_numel), torch.zeros(u.place.trainable_numel)
+        for s in u.layout.trainable_slots:
+            st = per_param.get(id(s.param))
+            s.step = int(float(st["step"])) if st is not None else 0
+            if st is not None:
+                m[s.offset:s.offset + s.numel].copy_(st["exp_avg"].reshape(-1))
+                v[s.offset:s.offset + s.numel].copy_(st["exp_avg_sq"].reshape(-1))
+        self.engine.optstate.write_moments(u, m, v)
+
+    def _state_dict(self) -> dict:
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state, eng = {}, self.engine
         for u in eng.units:

@@ -223,6 +223,28 @@ class OptimizerState:
         self.nvme.read(swap_key(u.index, kind), out).wait()
         return out
 
+    @torch.no_grad()
+    def write_moments(self, u, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Replaces ``u``'s moments by the full tensors given (CPU fp32 of the
+        unit's trainable numel), this rank's shard of them under ZeRO, wherever
+        they live (in place in memory, rewritten on NVMe)."""
+        o, p = u.opt, u.place
+        if o.state is OptState.READING_AHEAD:  # a read-ahead of the old moments: drop it
+            for h in o.pending:
+                h.wait()
+            self.discard(u)
+        lo, hi = self.sharding.shard(p.trainable_numel)
+        for kind, full in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            shard = full[lo:hi]
+            if o.state is OptState.RESIDENT:
+                getattr(o, kind).copy_(shard)
+            elif o.state is OptState.HOME:
+                self.nvme.write(swap_key(u.index, kind), shard.contiguous()).wait()
+            else:
+                raise RuntimeError(f"internal: unit {u.name!r}: moments written while {o.state.value}")
+        if o.state is OptState.HOME:
+            o.fresh = False
+
     def kept_bytes(self) -> dict:
         """Bytes kept for good per kind (the ZeRO 1/N shares)."""
         out = {k: 0 for k in KINDS}

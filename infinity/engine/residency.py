@@ -17,6 +17,7 @@ import torch
 
 from ..config import format_bytes
 from . import policy
+from .faults import UsageError
 from .mover import DeferredTicket
 from .state import DeviceState, Quiet, transition
 from .tiers import BudgetError, DeviceTier
@@ -331,7 +332,7 @@ class Residency:
         d = u.dev
         if not d.permanent and d.state is not DeviceState.ABSENT:
             if d.pins:
-                raise RuntimeError(f"write_unit_values: unit {u.name!r} is in use by a forward/backward")
+                raise UsageError(f"write_unit_values: unit {u.name!r} is in use by a forward/backward")
             self.evict(u)
 
     def permanent_copy(self, u) -> Optional[torch.Tensor]:

@@ -38,6 +38,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from .faults import UsageError
+
 __all__ = ["ArenaRef", "SavedTensorRouter"]
 
 _push = torch._C._autograd._push_saved_tensors_default_hooks
@@ -61,7 +63,7 @@ class ArenaRef:
 
 
 def _version_error(what: str, saved: int, now: int) -> RuntimeError:
-    return RuntimeError(
+    return UsageError(
         f"one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"{what} is at version {now}; expected version {saved} instead (infinity checks saved tensors itself, "
         "as its saved-tensor hooks replace autograd's own check). Hint: do the in-place change out of place, "

@@ -37,9 +37,12 @@ from typing import List
 
 
 from . import policy
+from .faults import UsageError
 from .state import OptState
 
-__all__ = ["make_schedule", "StepSchedule", "BackwardSchedule", "DelayedSchedule"]
+__all__ = ["make_schedule", "StepSchedule", "BackwardSchedule", "DelayedSchedule", "MAX_QUEUED"]
+
+MAX_QUEUED = 2  # updates queued or running at once during backward, with NVMe state (see _bound_queue)
 
 
 class StepSchedule:
@@ -82,6 +85,23 @@ class StepSchedule:
         if p.modes.opt_nvme and not p.modes.zero:
             for u in p.units:  # units some of whose parameters got no gradient
                 p.gradients.spill(u)
+
+    def _guarded(self, job, u):
+        """``job`` for the host thread: a fault it raises fails the engine at
+        once (so the next hook stops the pass) and gives back ``u``'s buffers;
+        the error itself reaches the caller where the job is waited for."""
+        p = self.p
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as e:
+                p.faults.record(e, f"the update of unit {u.name!r} on the optimizer's thread")
+                _quietly(p.optstate.discard, u)
+                _quietly(p.gradients.release, u)
+                raise
+
+        return run
 
     def wait_one(self) -> bool:
         """Waits for the oldest update in flight (which frees its buffers). True if one was waited for."""
@@ -215,7 +235,7 @@ class StepSchedule:
         p = self.p
         if self._running:
             # See [Note: the accumulation window].
-            raise RuntimeError(
+            raise UsageError(
                 "optimizer.zero_grad() before optimizer.step(), after a backward whose updates already ran "
                 "(overlap='backward' updates each unit during the last backward of the accumulation window): "
                 "the gradients cannot be discarded any more. Call optimizer.step() first, or use "
@@ -240,6 +260,7 @@ class BackwardSchedule(StepSchedule):
         grad, written = p.gradients.update_input(u), list(u.grads.written)
         scale = 1.0 / p.sharding.world  # gradients are sums over the data-parallel ranks
         if p.modes.opt_nvme:
+            self._bound_queue()
             if not p.modes.zero:
                 p.gradients.claim(u)
 
@@ -254,10 +275,22 @@ class BackwardSchedule(StepSchedule):
                 p.gradients.wait(u)
                 self.update_in_memory(u, grad, written, scale)
 
-        self._running[u.index] = p.mover.host_job(job)
+        self._running[u.index] = p.mover.host_job(self._guarded(job, u))
         if p.modes.opt_nvme:
             self._read_ahead_next()
         return True
+
+    def _bound_queue(self) -> None:
+        """Backpressure: with NVMe state every queued update holds its unit's
+        gradients in a host buffer until it runs; when backward outruns the
+        optimizer they would fill the pool, and the update running then finds
+        no room for its own buffers (it cannot wait for itself). So at most
+        ``MAX_QUEUED`` updates are queued or running: the host budget's
+        pipeline (placement.PIPELINE_BUFFERS) holds that many."""
+        while sum(not t.done() for t in self._running.values()) >= MAX_QUEUED:
+            t0 = time.perf_counter()
+            self.wait_one()
+            self.p.stats.optimizer_wait_seconds += time.perf_counter() - t0
 
     def _read_ahead_next(self) -> None:
         """Reads the optimizer state of the unit whose gradients complete next
@@ -274,7 +307,8 @@ class BackwardSchedule(StepSchedule):
         p.optstate.read_ahead(p.units[nxt[0]])
         root = p.units[0]
         if nxt[-1] == 0 and root.opt.state is OptState.HOME and self._root_read is None:
-            self._root_read = p.mover.host_job(lambda: p.optstate.read_ahead(root, evict_done=True))
+            self._root_read = p.mover.host_job(self._guarded(lambda: p.optstate.read_ahead(root, evict_done=True),
+                                                             root))
 
 
 class DelayedSchedule(StepSchedule):
@@ -338,6 +372,14 @@ class DelayedSchedule(StepSchedule):
             p.values_changed(u)
         self._pending_units = []
         p.residency.invalidate()
+
+
+def _quietly(fn, *args) -> None:
+    """Cleanup after a fault: what fails here must not hide the fault."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the first fault is what the user sees
+        pass
 
 
 def make_schedule(parts, updater, overlap: str, accum_steps: int, early_ok: bool) -> StepSchedule:

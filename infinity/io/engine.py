@@ -152,6 +152,18 @@ def raise_for(code: int, msg: str, context: str = "") -> None:
     raise SwapIOError(err, prefix + (msg or f"I/O failed: {_errno.errorcode.get(err, err)}"))
 
 
+_local = threading.local()
+
+
+def _message_buffer():
+    """This thread's buffer for the engine's error text: one per thread, not
+    one per wait (each new ctypes buffer type is garbage for the cycle collector)."""
+    buf = getattr(_local, "msg", None)
+    if buf is None:
+        buf = _local.msg = native.carray(ctypes.c_char, 1024)()
+    return buf
+
+
 class NativeEngine:
     """The native engine: ``queue_depth`` blocks of ``block_size`` bytes in flight.
 
@@ -219,7 +231,7 @@ class NativeEngine:
         Returns True when done, False on timeout; raises the request's error
         (:class:`SwapIOError` / :class:`ChecksumError`) once done.
         """
-        msg = ctypes.create_string_buffer(1024)
+        msg = _message_buffer()
         ms = -1 if timeout is None else max(0, int(timeout * 1000))
         rc = self._lib.inf_io_wait(self._h, ticket, ms, msg, len(msg))
         if rc == E_TIMEOUT:

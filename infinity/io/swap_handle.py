@@ -72,7 +72,9 @@ class IOHandle:
                 buf.release()
             self._staging.clear()
             if self._on_done is not None:
-                self._on_done(self._error)
+                # Dropped once called: it refers to this handle (a cycle otherwise).
+                on_done, self._on_done = self._on_done, None
+                on_done(self._error)
             self._keep.clear()
             self._finished = True
         self._store._handle_finished(self)

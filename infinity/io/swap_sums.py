@@ -13,6 +13,7 @@ import array
 import ctypes
 from typing import Hashable, List, Optional
 
+from ..native import carray
 from .engine import chunk_bytes, crc_count
 from .swap_layout import _Piece
 
@@ -63,11 +64,12 @@ def piece_sums(piece: _Piece, verify: bool, given, block_size: int):
 def request_sums(cnt: int, sums, tail: bool):
     """The ``cnt`` sums of one request: the first (body) or last (``tail``)
     ``cnt`` of ``sums`` when passed in, else room for the engine's."""
+    arr = carray(ctypes.c_uint32, cnt)
     if sums is None:
-        return (ctypes.c_uint32 * cnt)()
+        return arr()
     if tail:
-        return (ctypes.c_uint32 * cnt).from_buffer_copy(sums, 4 * (len(sums) - cnt))
-    return (ctypes.c_uint32 * cnt).from_buffer_copy(sums)
+        return arr.from_buffer_copy(sums, 4 * (len(sums) - cnt))
+    return arr.from_buffer_copy(sums)
 
 
 def keep_sums(pieces: List[_Piece], arrays: list) -> None:

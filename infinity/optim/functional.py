@@ -151,8 +151,8 @@ def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr,
     ptrs += [t.data_ptr() for t in exp_avgs]
     ptrs += [t.data_ptr() for t in exp_avg_sqs]
     ptrs += [t.data_ptr() for t in outs] if outs is not None else [0] * n
-    ptr_arr = (ctypes.c_int64 * (5 * n))(*ptrs)
-    numel_arr = (ctypes.c_int64 * n)(*[t.numel() for t in params])
+    ptr_arr = native.carray(ctypes.c_int64, 5 * n)(*ptrs)
+    numel_arr = native.carray(ctypes.c_int64, n)(*[t.numel() for t in params])
     hp = native.AdamHParams(lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, int(bool(adamw_mode)),
                             num_threads or native.default_num_threads())
     odt = _OUT_DT[odtype] if odtype is not None else native.DT_NONE
@@ -163,7 +163,8 @@ def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr,
     else:
         sums = [tuple(array.array("I", bytes(4 * chunk_count(4 * t.numel(), sum_chunk_bytes))) for _ in range(3))
                 for t in params]
-        sum_arr = (ctypes.c_int64 * (3 * n))(*[sums[i][k].buffer_info()[0] for k in range(3) for i in range(n)])
+        sum_arr = native.carray(ctypes.c_int64, 3 * n)(*[sums[i][k].buffer_info()[0] for k in range(3)
+                                                         for i in range(n)])
         rc = native.lib().inf_adam_step_sums(native.selected_isa(), n, ptr_arr, numel_arr, _GRAD_DT[gdtype], odt,
                                              ctypes.byref(hp), sum_chunk_bytes, sum_arr)
     if rc != 0:

@@ -1,0 +1,118 @@
+"""What memory this process may use: the RAM available on the machine and
+the limit of its memory cgroup (v2 ``memory.max``, v1
+``memory.limit_in_bytes``), the tightest of every level up the hierarchy.
+
+A container or a batch scheduler's job sees the machine's ``MemAvailable``
+but is killed at its cgroup's limit (SIGKILL, no message), so budgets are
+sized from the smaller of the two.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List, Optional
+
+__all__ = ["MemoryLimit", "cgroup_limit", "available_ram", "describe"]
+
+_UNLIMITED = 1 << 60  # v1 writes ~2**63 rounded down to a page for "no limit"
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """A memory cgroup's limit and usage (bytes) and where it was read."""
+
+    limit: int
+    usage: int
+    path: str
+
+    @property
+    def headroom(self) -> int:
+        return max(0, self.limit - self.usage)
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text in ("", "max"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _levels(rel: str) -> List[str]:
+    """``/a/b/c`` -> ``["/a/b/c", "/a/b", "/a", "/"]``."""
+    out, cur = [], "/" + rel.strip("/")
+    while True:
+        out.append(cur)
+        if cur == "/":
+            return out
+        cur = os.path.dirname(cur)
+
+
+def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[MemoryLimit]:
+    """The tightest memory limit of this process's cgroups (v2 and v1), or None if none is set."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":  # v2: one unified hierarchy
+            for base in (root, os.path.join(root, "unified")):
+                found += _scan(base, rel, "memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            found += _scan(os.path.join(root, "memory"), rel, "memory.limit_in_bytes", "memory.usage_in_bytes")
+    return min(found, key=lambda m: m.headroom, default=None)
+
+
+def _scan(base: str, rel: str, limit_file: str, usage_file: str) -> List[MemoryLimit]:
+    out = []
+    for level in _levels(rel):
+        d = os.path.join(base, level.lstrip("/"))
+        limit = _read_int(os.path.join(d, limit_file))
+        if limit is None or limit >= _UNLIMITED:
+            continue
+        usage = _read_int(os.path.join(d, usage_file)) or 0
+        out.append(MemoryLimit(limit, usage, os.path.join(d, limit_file)))
+    return out
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def available_ram() -> int:
+    """Bytes this process may still take: the machine's ``MemAvailable``,
+    or its cgroup's headroom (limit minus usage) if that is smaller."""
+    free = _mem_available()
+    lim = cgroup_limit()
+    return min(free, lim.headroom) if lim is not None else free
+
+
+def describe() -> str:
+    """The figures behind :func:`available_ram`, for error messages."""
+    from .config import format_bytes
+    text = f"MemAvailable {format_bytes(_mem_available())}"
+    lim = cgroup_limit()
+    if lim is not None:
+        text += (f", cgroup limit {format_bytes(lim.limit)} ({lim.path}) of which {format_bytes(lim.usage)} "
+                 "in use")
+    return text
