@@ -39,7 +39,7 @@ class PoolExhausted(MemoryError):
 # The environment variable that injects a fault into every engine created after it is set.
 FAULT_ENV = "INFINITY_IO_FAULT"
 
-_OPS = {"read": 0, "write": 1, "any": -1}
+_OPS = {"read": 0, "write": 1, "any": -1, "ring": 2}  # "ring": INF_IO_FAULT_RING (infinity_io.h)
 
 
 def parse_fault_spec(spec: Optional[str] = None) -> Optional[Tuple[int, int, int]]:
@@ -48,6 +48,9 @@ def parse_fault_spec(spec: Optional[str] = None) -> Optional[Tuple[int, int, int
     OP is ``read``, ``write`` or ``any``; NTH the 1-based block number (counted
     per engine) that fails; ERR an errno name (``ENOSPC``, ``EIO``), a number,
     or ``short`` for a transfer cut in half (then completed by the retry path).
+    OP ``ring`` kills the io_uring rings from the NTH block on: every
+    ``io_uring_enter`` fails with ERR, and so does every block from then on
+    (io_uring backend only; the other engines ignore it).
     Returns ``(op, nth, err)`` with err 0 for ``short``, or None when unset.
     """
     spec = os.environ.get(FAULT_ENV) if spec is None else spec
@@ -66,5 +69,7 @@ def parse_fault_spec(spec: Optional[str] = None) -> Optional[Tuple[int, int, int
             err = getattr(_errno, err_s.upper())
     except (ValueError, KeyError, AttributeError):
         raise ValueError(f"{FAULT_ENV}={spec!r}: expected OP:NTH:ERR, e.g. write:3:ENOSPC, "
-                         "read:1:EIO or any:2:short") from None
+                         "read:1:EIO, any:2:short or ring:1:EIO") from None
+    if op == _OPS["ring"] and err == 0:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: a ring fault needs an errno (e.g. ring:1:EIO), not 'short'")
     return op, nth, err

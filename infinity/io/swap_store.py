@@ -322,7 +322,9 @@ class SwapStore:
     def _inject_fault(self, op: str, nth: int, err: Union[int, str]) -> None:
         """Test hook: the ``nth`` block (1-based, counted from now) of ``op``
         ("read", "write" or "any") fails with ``err`` (an errno or its name),
-        or is cut short when ``err`` is "short". Same as INFINITY_IO_FAULT."""
+        or is cut short when ``err`` is "short"; ``op`` "ring" makes every
+        ``io_uring_enter`` fail with ``err`` from that block on (io_uring
+        only). Same as INFINITY_IO_FAULT."""
         from .errors import parse_fault_spec
         o, k, e = parse_fault_spec(f"{op}:{nth}:{err}")
         self._engine.set_fault(o, k, e)

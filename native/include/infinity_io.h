@@ -110,7 +110,11 @@ INF_API int32_t inf_io_done(inf_io_engine* eng, int64_t ticket);
 /* Fault injection for tests: the nth block (1-based, counted from this call)
  * of operation op (INF_IO_READ/WRITE, or -1 for either) fails with -err, or,
  * with err == 0, transfers only half its bytes in its first syscall (to test
- * the short-transfer path). nth <= 0 disables. */
+ * the short-transfer path). With op == INF_IO_FAULT_RING, from the moment the
+ * nth block (of either op) is claimed every io_uring_enter of the engine fails
+ * with err (EIO when 0): a dead ring, whose blocks then fail with err
+ * (io_uring backend only; the thread backend ignores it). nth <= 0 disables. */
+#define INF_IO_FAULT_RING 2
 INF_API int32_t inf_io_set_fault(inf_io_engine* eng, int32_t op, int64_t nth, int32_t err);
 
 /* Bytes per block of a bounce-mode request of op (INF_IO_READ/WRITE) on an

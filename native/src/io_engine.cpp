@@ -48,7 +48,10 @@ Block* inf_io_engine::claim() {
     b->crc_done = r->given;
     r->inflight++;
     inflight++;
-    if (fault_nth > 0 && (fault_op < 0 || fault_op == r->op) && ++fault_count == fault_nth) {
+    if (fault_nth > 0 && fault_op == INF_IO_FAULT_RING && ++fault_count == fault_nth) {
+      ring_fault.store(fault_err ? fault_err : EIO);
+      fault_nth = 0;
+    } else if (fault_nth > 0 && (fault_op < 0 || fault_op == r->op) && ++fault_count == fault_nth) {
       if (fault_err) b->fault_err = fault_err;
       else b->fault_short = true;
       fault_nth = 0;

@@ -5,6 +5,7 @@
 #pragma once
 #include <stdint.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -65,6 +66,8 @@ struct inf_io_engine {
   int64_t fault_nth = 0;
   int fault_err = 0;
   int64_t fault_count = 0;
+  // Set by an INF_IO_FAULT_RING fault: every io_uring_enter fails with this errno.
+  std::atomic<int> ring_fault{0};
 
   std::unique_ptr<infinity_native::io::Backend> impl;
 

@@ -10,6 +10,16 @@
 // only ~80% of what a pread/pwrite pool got from the same disk on 2 vCPUs, so
 // the engine runs one ring per CPU (at most queue_depth), each with its own
 // thread and share of the queue depth, all claiming blocks from one schedule.
+//
+// [Note: a dead ring]
+// io_uring_enter failing with anything but EINTR, EAGAIN or EBUSY means the
+// ring cannot take or wait for work any more. Its worker then fails every
+// block that is its to report, with that errno, so waiters get an error
+// instead of hanging while the loop spins: the SQEs the kernel has not taken
+// are withdrawn and their blocks fail; blocks it claims later fail at once;
+// blocks already at the disk are still reaped from the completion ring (it is
+// shared memory), waited for with poll(2) on the ring's fd, since their
+// memory may be in use by the kernel until they complete.
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -38,6 +48,7 @@ struct UringWorker {
   std::thread th;
   // The loop's state, touched by th alone.
   bool need_poll = true;                         // the eventfd poll is to be (re)armed
+  int dead = 0;                                  // errno of a failed io_uring_enter ([Note: a dead ring])
   int io_inflight = 0;                           // blocks of this ring at the disk
   std::vector<std::pair<Block*, int>> finished;  // block, error: to post and report
   std::vector<std::string> msgs;                 // their messages
@@ -57,7 +68,10 @@ class UringBackend final : public Backend {
   void uring_main(UringWorker* w);
   bool dispatch(UringWorker* w);
   bool launch(UringWorker* w, Block* b, bool now);
+  int ring_enter(Ring& ring, unsigned to_submit, unsigned min_complete, unsigned flags);
+  void submit_pending(Ring& ring);
   void enter(UringWorker* w);
+  void fail_withdrawn(UringWorker* w);
   void reap(UringWorker* w);
   void reap_one(UringWorker* w, const io_uring_cqe& cqe);
   void complete(UringWorker* w);
@@ -80,7 +94,9 @@ int UringBackend::open() {
     w->limit = qd / nrings + (i < qd % nrings ? 1 : 0);
     rc = w->ring.setup(static_cast<unsigned>(w->limit + 1));
     if (rc == 0) {
-      w->evfd = eventfd(0, EFD_CLOEXEC);
+      // Non-blocking: a dead ring's poll(2) and the ring's poll SQE may both
+      // see one wake-up; the second read must not block.
+      w->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
       if (w->evfd < 0) {
         rc = -errno;
         w->ring.close_all();
@@ -148,23 +164,43 @@ void prep_sqe(Ring& ring, Block* b) {
   sqe->user_data = reinterpret_cast<uint64_t>(b);
 }
 
-// Submits the SQEs queued in the ring without waiting for completions.
-void submit_pending(Ring& ring) {
-  if (!ring.pending) return;
-  int k = sys_uring_enter(ring.fd, ring.pending, 0, 0);
-  if (k > 0) ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(k));
-}
-
 // A block ended (err 0 when complete): to be posted and reported.
 void ended(UringWorker* w, Block* b, int err, std::string&& msg) {
   w->finished.emplace_back(b, err);
   w->msgs.push_back(std::move(msg));
 }
 
+// A block failed because its ring is dead ([Note: a dead ring]).
+void ended_dead(UringWorker* w, Block* b) {
+  ended(w, b, -w->dead, fmt_error(*b, w->dead) + " [io_uring_enter failed: the ring is unusable]");
+}
+
+// io_uring_enter, or the failure an INF_IO_FAULT_RING fault injects (tests).
+int UringBackend::ring_enter(Ring& ring, unsigned to_submit, unsigned min_complete, unsigned flags) {
+  const int injected = eng_->ring_fault.load(std::memory_order_relaxed);
+  if (injected) {
+    errno = injected;
+    return -1;
+  }
+  return sys_uring_enter(ring.fd, to_submit, min_complete, flags);
+}
+
+// Submits the SQEs queued in the ring without waiting for completions
+// (a failure is left for enter() to see).
+void UringBackend::submit_pending(Ring& ring) {
+  if (!ring.pending) return;
+  int k = ring_enter(ring, ring.pending, 0, 0);
+  if (k > 0) ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(k));
+}
+
 // Starts a claimed block: an injected fault joins `finished` (reported with
 // the next completions); else the block is staged, queued and, with `now`,
 // submitted at once. True if it went to the disk.
 bool UringBackend::launch(UringWorker* w, Block* b, bool now) {
+  if (w->dead) {
+    ended_dead(w, b);
+    return false;
+  }
   if (b->fault_err) {
     ended(w, b, -b->fault_err, fmt_error(*b, b->fault_err) + " [injected fault]");
     return false;
@@ -196,7 +232,7 @@ bool UringBackend::dispatch(UringWorker* w) {
   for (Block* b : fresh) launch(w, b, b->slot >= 0 && b->r->op == INF_IO_WRITE);
   submit_pending(w->ring);
   for (Block* b : fresh) {
-    if (!b->fault_err) write_crcs(b);
+    if (!b->fault_err && !w->dead) write_crcs(b);
   }
   return false;
 }
@@ -204,18 +240,50 @@ bool UringBackend::dispatch(UringWorker* w) {
 // ---- completion -------------------------------------------------------------------
 
 // Submits, and blocks for at least one completion unless some blocks are
-// already finished (injected faults) and must be reported.
+// already finished (injected faults) and must be reported. A dead ring
+// fails what it cannot submit and waits with poll(2) ([Note: a dead ring]).
 void UringBackend::enter(UringWorker* w) {
   Ring& ring = w->ring;
-  unsigned wait_for = w->finished.empty() ? 1 : 0;
-  int rc = sys_uring_enter(ring.fd, ring.pending, wait_for, IORING_ENTER_GETEVENTS);
-  if (rc >= 0) {
-    ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(rc));
-  } else if (errno != EINTR && errno != EAGAIN && errno != EBUSY) {
-    // The ring itself failed: fail every block that is ours to report.
-    // (Should not happen; keeps waiters from hanging if it does.)
-    fprintf(stderr, "infinity io_uring: io_uring_enter failed: %s\n", strerror(errno));
+  if (!w->dead) {
+    unsigned wait_for = w->finished.empty() ? 1 : 0;
+    int rc = ring_enter(ring, ring.pending, wait_for, IORING_ENTER_GETEVENTS);
+    if (rc >= 0) {
+      ring.pending -= std::min<unsigned>(ring.pending, static_cast<unsigned>(rc));
+      return;
+    }
+    if (errno == EINTR || errno == EAGAIN || errno == EBUSY) return;
+    w->dead = errno;
+    fprintf(stderr, "infinity io_uring: io_uring_enter failed: %s (errno %d); this ring's blocks fail from now on\n",
+            strerror(w->dead), w->dead);
   }
+  fail_withdrawn(w);
+  if (!w->finished.empty()) return;
+  // Wake-ups (new work, stop) on the eventfd; completions of blocks at the
+  // disk on the ring's fd. The timeout only bounds a missed wake-up.
+  pollfd fds[2] = {{w->evfd, POLLIN, 0}, {ring.fd, POLLIN, 0}};
+  if (poll(fds, w->io_inflight > 0 ? 2 : 1, 100) > 0 && (fds[0].revents & POLLIN)) {
+    uint64_t v;
+    ssize_t k = read(w->evfd, &v, sizeof v);
+    (void)k;
+  }
+}
+
+// A dead ring: the SQEs the kernel has not taken (new blocks, retries,
+// the rest of short transfers) are withdrawn and their blocks fail. Only
+// this thread and io_uring_enter touch the submission ring (no SQPOLL), so
+// moving its tail back is safe.
+void UringBackend::fail_withdrawn(UringWorker* w) {
+  Ring& ring = w->ring;
+  const unsigned head = __atomic_load_n(ring.sq_head, __ATOMIC_ACQUIRE);
+  const unsigned tail = *ring.sq_tail;
+  for (unsigned i = head; i != tail; i++) {
+    const io_uring_sqe& sqe = ring.sqes[ring.sq_array[i & *ring.sq_mask]];
+    if (sqe.user_data == 0) continue;  // the wake-up poll
+    w->io_inflight--;
+    ended_dead(w, reinterpret_cast<Block*>(sqe.user_data));
+  }
+  __atomic_store_n(ring.sq_tail, head, __ATOMIC_RELEASE);
+  ring.pending = 0;
 }
 
 // Takes every completion the ring holds.
@@ -291,7 +359,7 @@ void UringBackend::uring_main(UringWorker* w) {
   for (;;) {
     // 1. Dispatch new blocks up to the queue depth.
     if (dispatch(w)) return;
-    if (w->need_poll && arm_poll(w)) w->need_poll = false;
+    if (w->need_poll && !w->dead && arm_poll(w)) w->need_poll = false;
     // 2. Submit, and wait for completions.
     enter(w);
     // 3. Reap.
