@@ -471,7 +471,8 @@ def test_second_store_on_locked_directory_refused(tmp_path, backend):
 
 def test_permissions_and_cleanup_only_own_files(tmp_path, backend):
     pre = tmp_path / "existing"
-    pre.mkdir(mode=0o755)
+    pre.mkdir()
+    pre.chmod(0o700)  # a group/world-accessible one is refused (test_io_swap_dir.py)
     (pre / "someone-elses.bin").write_bytes(b"keep me")
     fresh = tmp_path / "new" / "dir"
     old_umask = os.umask(0)
@@ -496,7 +497,7 @@ def test_permissions_and_cleanup_only_own_files(tmp_path, backend):
 
 def test_stale_file_of_a_crashed_run_is_not_touched(tmp_path, backend):
     d = tmp_path / "swap0"
-    d.mkdir()
+    d.mkdir(mode=0o700)
     stale = d / f"swap-{os.getpid()}-0.bin"
     stale.write_bytes(b"old")
     with make_store(tmp_path, backend) as s:

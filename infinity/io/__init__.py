@@ -9,11 +9,13 @@
 See docs/io.md.
 """
 
-from .errors import ChecksumError, PoolExhausted, StoreLockedError, SwapFullError, SwapIOError
+from .errors import (ChecksumError, PoolExhausted, StoreLockedError, SwapFullError, SwapIOError, SwapPathError,
+                     SwapPathNotDirectoryError, SwapPathPermissionError, SwapPathReadOnlyError, SwapPathUnsafeError)
 from .extent_allocator import ExtentAllocator
 from .host_pool import HostPool, PoolBuffer
 from .swap_store import IOHandle, SwapStore
 from .engine import native_available
 
 __all__ = ["SwapStore", "IOHandle", "HostPool", "PoolBuffer", "ExtentAllocator", "SwapIOError", "ChecksumError",
-           "SwapFullError", "StoreLockedError", "PoolExhausted", "native_available"]
+           "SwapFullError", "StoreLockedError", "PoolExhausted", "SwapPathError", "SwapPathNotDirectoryError",
+           "SwapPathReadOnlyError", "SwapPathPermissionError", "SwapPathUnsafeError", "native_available"]

@@ -7,7 +7,8 @@ import os
 from typing import Optional, Tuple
 
 __all__ = ["SwapIOError", "ChecksumError", "SwapFullError", "StoreLockedError", "PoolExhausted",
-           "parse_fault_spec"]
+           "SwapPathError", "SwapPathNotDirectoryError", "SwapPathReadOnlyError", "SwapPathPermissionError",
+           "SwapPathUnsafeError", "parse_fault_spec"]
 
 
 class SwapIOError(OSError):
@@ -30,6 +31,30 @@ class SwapFullError(SwapIOError):
 
 class StoreLockedError(RuntimeError):
     """Another :class:`~infinity.io.SwapStore` (this process or another) holds the directory."""
+
+
+class SwapPathError(OSError):
+    """A swap directory cannot be used. ``errno`` is set; the message names the
+    path, what is wrong with it and the fix. Subclasses say which case."""
+
+
+class SwapPathNotDirectoryError(SwapPathError, NotADirectoryError):
+    """The swap path (or a component of it) is not a directory, e.g. a regular file."""
+
+
+class SwapPathReadOnlyError(SwapPathError):
+    """The swap path is on a read-only filesystem (EROFS)."""
+
+
+class SwapPathPermissionError(SwapPathError, PermissionError):
+    """The swap path, or a file in it, cannot be created or opened (EACCES, EPERM)."""
+
+
+class SwapPathUnsafeError(SwapPathError):
+    """Using the swap path would expose or overwrite what is not the store's: a
+    directory accessible to group or others or owned by another user, or a lock
+    file that is a symbolic link, not a regular file, someone else's, or not a
+    lock file of infinity."""
 
 
 class PoolExhausted(MemoryError):

@@ -13,6 +13,7 @@ from .engine import ALIGN
 from .errors import StoreLockedError, SwapFullError
 from .extent_allocator import ExtentAllocator
 from .host_pool import _warn_once
+from .swap_dir import open_dir, path_error
 
 LOCK_NAME = ".infinity-swap.lock"
 
@@ -41,13 +42,12 @@ class _SwapPath:
     # Directory and lock -----------------------------------------------------------
 
     def lock(self) -> None:
-        if not os.path.isdir(self.dir):
-            try:
-                os.makedirs(self.dir, mode=0o700)
-                self.created_dir = True
-                os.chmod(self.dir, 0o700)  # the umask may have narrowed or widened makedirs' mode
-            except FileExistsError:
-                pass
+        """Makes (0700) or checks the directory (named errors: ``swap_dir``) and takes its lock."""
+        fd, pfd = open_dir(self.dir)
+        os.close(fd)
+        if pfd >= 0:
+            os.close(pfd)
+            self.created_dir = True
         while True:
             try:
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -55,6 +55,8 @@ class _SwapPath:
             except FileExistsError:
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CLOEXEC)
                 created = False
+            except OSError as exc:
+                raise path_error(exc, self.lock_path, "create lock file") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -89,6 +91,8 @@ class _SwapPath:
                 break
             except FileExistsError:  # a crashed run's file, or another store's: not ours to touch
                 n += 1
+            except OSError as exc:
+                raise path_error(exc, name, "create swap file") from None
         self.file_path, self.fd = name, fd
         if want_direct and hasattr(os, "O_DIRECT"):
             reason = self._try_direct(probe_buf)

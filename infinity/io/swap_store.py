@@ -29,7 +29,8 @@ import torch
 
 from .engine import ALIGN, READ, WRITE, NativeEngine, chunk_bytes, native_available
 # The error classes the store raises, importable from here as before.
-from .errors import PoolExhausted, StoreLockedError, SwapFullError, SwapIOError  # noqa: F401
+from .errors import (PoolExhausted, StoreLockedError, SwapFullError, SwapIOError, SwapPathError,  # noqa: F401
+                     SwapPathNotDirectoryError, SwapPathPermissionError, SwapPathReadOnlyError, SwapPathUnsafeError)
 from .fallback import PythonEngine
 from .host_pool import HostPool, _warn_once
 from .swap_handle import IOHandle
@@ -48,9 +49,11 @@ class SwapStore:
 
     Args:
         paths: one directory or a list of them, ideally on different disks.
-            Each is created (mode 0700) if missing and locked for the store's
-            lifetime; a second store on a locked directory raises
-            :class:`StoreLockedError`. The store creates one data file (mode
+            Each is created (mode 0700) if missing, or must be a directory of
+            this uid not accessible to group or others, on a writable
+            filesystem (else a :class:`SwapPathError` subclass names the fix),
+            and is locked for the store's lifetime; a second store on a locked
+            directory raises :class:`StoreLockedError`. The store creates one data file (mode
             0600) per path and deletes it, and only it, on :meth:`close`.
         capacity_bytes: total swap budget in bytes, split evenly over the paths
             and preallocated (fallocate) at open, so a disk too small fails at
@@ -140,8 +143,8 @@ class SwapStore:
         with self._pool.acquire(ALIGN) as probe:
             for i, p in enumerate(paths):
                 sp = _SwapPath(p, i)
+                self._paths.append(sp)  # first: a failure below is torn down with the rest
                 sp.lock()
-                self._paths.append(sp)
                 sp.open_file(self._engine, probe, direct)
 
     def _make_engine(self, backend: str):
