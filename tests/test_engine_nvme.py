@@ -246,6 +246,28 @@ def test_swap_files_are_owned_and_removed(tmp_path):
     infinity.api.close(m)
     for d in dirs:
         assert not os.path.exists(d) or os.listdir(d) == []
+    assert not any(os.path.exists(p) for p in c.swap_paths)  # the roots the tier made, once empty
+
+
+def test_nvme_tier_removes_the_roots_it_made(tmp_path):
+    """Swap roots the tier made (0700) go at close when empty; one that
+    existed stays; a store that fails to open leaves none behind."""
+    import stat
+    from infinity.engine.nvme import NvmeTier
+    from infinity.engine.stats import Stats
+    from infinity.io import SwapPathNotDirectoryError
+    made, kept = tmp_path / "made", tmp_path / "kept"
+    kept.mkdir(mode=0o700)
+    tier = NvmeTier([str(made), str(kept)], 1 << 20, Stats(), block_size=65536, backend="python")
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+    assert os.path.isdir(made / "rank0") and os.path.isdir(kept / "rank0")
+    tier.close()
+    tier.close()
+    assert not made.exists() and os.listdir(kept) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SwapPathNotDirectoryError, match="file"):
+        NvmeTier([str(made), str(tmp_path / "file")], 1 << 20, Stats(), block_size=65536, backend="python")
+    assert not made.exists()
 
 
 def test_host_budget_below_pipeline_minimum_is_refused(tmp_path):

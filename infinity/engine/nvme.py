@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..io.swap_dir import make_dir, remove_own_dir
 from ..io.swap_store import IOHandle, SwapStore
 from .faults import with_retries
 from .stats import Stats
@@ -46,16 +47,27 @@ def key(unit_index: int, kind: str) -> tuple:
 class NvmeTier:
     """One :class:`~infinity.io.SwapStore` over ``paths``/rank{rank}, preallocated
     to ``capacity_bytes`` so a disk too small fails at start-up (path, bytes
-    needed and free named by the store)."""
+    needed and free named by the store). A missing ``paths`` entry is made
+    (0700) and removed again at :meth:`close` if empty."""
 
     def __init__(self, paths: Sequence[str], capacity_bytes: int, stats: Stats, rank: int = 0,
                  block_size: int = 8 << 20, queue_depth: int = 16, backend: str = "auto", checksum: bool = True):
         dirs = [os.path.join(os.path.abspath(p), f"rank{rank}") for p in paths]
-        for p in paths:
-            os.makedirs(os.path.abspath(p), mode=0o700, exist_ok=True)
-        self.store = SwapStore(dirs, capacity_bytes=capacity_bytes, block_size=block_size,
-                               queue_depth=queue_depth, staging_bytes=2 * len(dirs) * block_size,
-                               backend=backend, checksum=checksum)
+        # The swap roots this tier made (path, fd, fd on its parent): removed
+        # at close when empty and still the ones it made. Another rank's
+        # folder in one keeps it.
+        self._made: List[Tuple[str, int, int]] = []
+        try:
+            for p in paths:
+                fd, pfd = make_dir(os.path.abspath(p))
+                if fd >= 0:
+                    self._made.append((os.path.abspath(p), fd, pfd))
+            self.store = SwapStore(dirs, capacity_bytes=capacity_bytes, block_size=block_size,
+                                   queue_depth=queue_depth, staging_bytes=2 * len(dirs) * block_size,
+                                   backend=backend, checksum=checksum)
+        except BaseException:
+            self._remove_made()
+            raise
         self.stats = stats
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
@@ -103,7 +115,23 @@ class NvmeTier:
         return k in self.store
 
     def close(self) -> None:
-        self.store.close()
+        """Closes the store (its files go), then removes the swap roots this
+        tier made if they are empty. Idempotent."""
+        try:
+            self.store.close()
+        finally:
+            self._remove_made()
+
+    def _remove_made(self) -> None:
+        made, self._made = self._made, []
+        for path, fd, pfd in made:
+            try:
+                remove_own_dir(pfd, os.path.basename(path), fd)
+            except OSError:
+                pass  # left in place; nothing of the run is in an empty folder
+            finally:
+                os.close(fd)
+                os.close(pfd)
 
 
 class RetryingHandle:
