@@ -495,14 +495,23 @@ def test_permissions_and_cleanup_only_own_files(tmp_path, backend):
         s.write("k", rand_bytes(1))
 
 
-def test_stale_file_of_a_crashed_run_is_not_touched(tmp_path, backend):
+def test_swap_file_held_by_a_live_process_is_not_touched(tmp_path, backend):
+    """A file with a swap file's name whose flock is held is a live run's: the
+    store neither reclaims nor reuses it (a dead run's is reclaimed:
+    test_io_swap_dir.py)."""
+    import fcntl
     d = tmp_path / "swap0"
     d.mkdir(mode=0o700)
     stale = d / f"swap-{os.getpid()}-0.bin"
     stale.write_bytes(b"old")
-    with make_store(tmp_path, backend) as s:
-        assert s.stats()["paths"][0]["file"] != str(stale)
-    assert stale.read_bytes() == b"old"
+    fd = os.open(stale, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with make_store(tmp_path, backend) as s:
+            assert s.stats()["paths"][0]["file"] != str(stale)
+        assert stale.read_bytes() == b"old"
+    finally:
+        os.close(fd)
 
 
 def _mount_tmpfs(path, size):
@@ -607,10 +616,10 @@ def test_o_direct_refused_falls_back_to_buffered_with_one_warning(tmp_path, back
     import infinity.io.swap_store as ss
     real_open = os.open
 
-    def no_direct(path, flags, *a):
+    def no_direct(path, flags, *a, **kw):
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *a)
+        return real_open(path, flags, *a, **kw)
 
     monkeypatch.setattr(ss.os, "open", no_direct)
     monkeypatch.setattr(ss, "_warned", set(), raising=False)

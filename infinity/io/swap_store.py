@@ -8,7 +8,8 @@ ordering between operations on one key. Moving bytes is the engine's job
 
 This module is the public façade, the keys' index and the ordering of
 operations on one key; its parts: ``swap_path`` (one directory: lock, data
-file, O_DIRECT), ``swap_layout`` (entries, striping, extents),
+file, O_DIRECT), ``swap_dir`` (who owns what in a directory: [Note: ownership
+of swap files]), ``swap_layout`` (entries, striping, extents),
 ``swap_transfer`` (requests, staging: [Note: zero-copy and bounce]),
 ``swap_sums`` (checksums) and ``swap_handle`` (:class:`IOHandle`).
 
@@ -35,7 +36,7 @@ from .fallback import PythonEngine
 from .host_pool import HostPool, _warn_once
 from .swap_handle import IOHandle
 from .swap_layout import _Entry, _Layout
-from .swap_path import LOCK_NAME, _SwapPath  # noqa: F401  (LOCK_NAME: as before)
+from .swap_path import LOCK_NAME, _SwapPath, log  # noqa: F401  (LOCK_NAME: as before)
 from .swap_sums import given_sums, keep_sums
 from .swap_transfer import _round_up, _Transfers, staging_pool
 
@@ -53,8 +54,10 @@ class SwapStore:
             this uid not accessible to group or others, on a writable
             filesystem (else a :class:`SwapPathError` subclass names the fix),
             and is locked for the store's lifetime; a second store on a locked
-            directory raises :class:`StoreLockedError`. The store creates one data file (mode
-            0600) per path and deletes it, and only it, on :meth:`close`.
+            directory raises :class:`StoreLockedError`. Files that dead runs
+            left there are removed at open (logged on ``infinity.io``). The
+            store creates one data file (mode 0600) per path and deletes it,
+            and only it, on :meth:`close`. See docs/io.md, "Swap directories".
         capacity_bytes: total swap budget in bytes, split evenly over the paths
             and preallocated (fallocate) at open, so a disk too small fails at
             once naming the path, bytes needed and bytes free. None: files grow
@@ -309,12 +312,17 @@ class SwapStore:
 
     def close(self) -> None:
         """Wait for transfers, then delete the store's files, its lock files and
-        any directory it created (if empty). Idempotent."""
+        any directory it created (if empty), but only while they still are the
+        ones it made. Idempotent; tears everything down even when a step fails
+        (what could not be removed is logged; the next store on the directory
+        reclaims it)."""
         if self._closed:
             return
-        for h in self._transfers.pending():
-            h._complete()
-        self._teardown()
+        try:
+            for h in self._transfers.pending():
+                h._complete()
+        finally:
+            self._teardown()
 
     def __enter__(self) -> "SwapStore":
         return self
@@ -380,19 +388,25 @@ class SwapStore:
         self._transfers.finished(handle)
 
     def _teardown(self) -> None:
+        """Releases paths, engine and pool, each even if an earlier one failed."""
         self._closed = True
-        for sp in self._paths:
+        problems: List[str] = []
+        try:
+            for sp in self._paths:
+                problems += sp.close(self._engine)
+        finally:
+            self._paths = []
+            self._index.clear()
             try:
-                sp.close(self._engine)
-            except OSError:
-                pass
-        if self._engine is not None:
-            self._engine.close()
-        self._paths = []
-        self._index.clear()
-        if self._own_pool and self._pool is not None:
-            self._pool.close()
-        self._pool = None
+                if self._engine is not None:
+                    self._engine.close()
+            finally:
+                if self._own_pool and self._pool is not None:
+                    self._pool.close()
+                self._pool = None
+        if problems:
+            log.warning("infinity.io.SwapStore.close: %s; what is left is reclaimed by the next store on its "
+                        "directory", "; ".join(problems))
 
     def __repr__(self) -> str:
         return (f"SwapStore(paths={self.paths}, backend={getattr(self, 'backend', None)!r}, "
