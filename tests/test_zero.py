@@ -2,7 +2,6 @@
 against a single-process reference with the same global batch
 (torch.optim.AdamW, no sharding)."""
 
-import random
 
 import pytest
 import torch
@@ -10,6 +9,12 @@ import torch.multiprocessing as mp
 
 from engine_utils import assert_params_close, batches, small_gpt
 import zero_worker
+
+
+def rendezvous(folder) -> str:
+    """A fresh FileStore path in ``folder`` for one spawn: no TCP port to
+    collide with another process's (a taken port aborted a rank in CI)."""
+    return str(folder / "rendezvous")
 
 WORLD = 2
 CASES = [
@@ -56,8 +61,7 @@ def reference(case, world=WORLD):
 @pytest.fixture(scope="module")
 def zero_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero")
-    port = random.randint(20000, 40000)
-    mp.spawn(zero_worker.run, args=(WORLD, port, CASES, str(out)), nprocs=WORLD, join=True)
+    mp.spawn(zero_worker.run, args=(WORLD, rendezvous(out), CASES, str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"case{i}.pt") for i in range(len(CASES))]
 
 
@@ -100,8 +104,7 @@ def test_zero_state_is_one_nth(zero_results, ci):
 
 
 def test_mismatched_config_or_model_is_reported_on_every_rank(tmp_path):
-    port = random.randint(20000, 40000)
-    mp.spawn(zero_worker.mismatch, args=(WORLD, port, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(zero_worker.mismatch, args=(WORLD, rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
     for r in range(WORLD):
         msg = (tmp_path / f"rank{r}.txt").read_text()
         assert "rank 1 differs from rank 0" in msg, msg
@@ -109,8 +112,7 @@ def test_mismatched_config_or_model_is_reported_on_every_rank(tmp_path):
 
 
 def test_a_failing_rank_ends_the_others_in_bounded_time(tmp_path):
-    port = random.randint(20000, 40000)
-    mp.spawn(zero_worker.crash, args=(WORLD, port, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(zero_worker.crash, args=(WORLD, rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
     t1, msg1 = (tmp_path / "rank1.txt").read_text().split("\n", 1)
     t0, msg0 = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert "injected failure" in msg1
@@ -150,8 +152,7 @@ CASES4 = [
 
 def test_four_ranks_match_the_single_process_reference(tmp_path):
     """Four gloo ranks (on two cores): stages 1-3, with host and NVMe homes."""
-    port = random.randint(20000, 40000)
-    mp.spawn(zero_worker.run, args=(4, port, CASES4, str(tmp_path)), nprocs=4, join=True)
+    mp.spawn(zero_worker.run, args=(4, rendezvous(tmp_path), CASES4, str(tmp_path)), nprocs=4, join=True)
     n = sum(p.numel() for p in small_gpt().parameters())
     for ci, case in enumerate(CASES4):
         res = torch.load(tmp_path / f"case{ci}.pt")
@@ -173,8 +174,7 @@ def test_process_group_two_groups_of_two(tmp_path):
     data-parallel groups of two (stage 2, NVMe state, each rank its own swap
     folder); each group matches the 2-rank reference."""
     cases = [dict(stage=2, steps=4, opt="nvme", overlap="backward")]
-    port = random.randint(20000, 40000)
-    mp.spawn(zero_worker.run, args=(4, port, cases, str(tmp_path), 2), nprocs=4, join=True)
+    mp.spawn(zero_worker.run, args=(4, rendezvous(tmp_path), cases, str(tmp_path), 2), nprocs=4, join=True)
     ref_losses, ref_state = reference(cases[0], world=2)
     for g in (0, 1):
         res = torch.load(tmp_path / f"case0_g{g}.pt")
@@ -195,12 +195,11 @@ def test_which_backends_serve_cpu_tensors(backend, serves):
 
 
 @pytest.mark.parametrize("world, group_size", [(2, 0), (4, 2)])
-def test_host_group_and_async_collectives(world, group_size):
+def test_host_group_and_async_collectives(world, group_size, tmp_path):
     """Sharding's collectives through a gloo host group made for its group (as
     under NCCL) equal those through the group itself; async equals sync; with
     two subgroups of two, each makes its own host group (local synchronisation)."""
-    port = random.randint(20000, 40000)
-    mp.spawn(zero_worker.collectives, args=(world, port, group_size), nprocs=world, join=True)
+    mp.spawn(zero_worker.collectives, args=(world, rendezvous(tmp_path), group_size), nprocs=world, join=True)
 
 
 CASES1 = [
@@ -216,8 +215,7 @@ def test_one_rank_every_stage_matches_plain_torch(tmp_path):
     shard is the whole buffer, and every stage must still train as plain
     torch does (stage 1 once applied weight decay only: its gradients never
     reached the shard the update reads; stage 2 ran out of host memory)."""
-    port = random.randint(20000, 40000)
-    mp.spawn(zero_worker.run, args=(1, port, CASES1, str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(zero_worker.run, args=(1, rendezvous(tmp_path), CASES1, str(tmp_path)), nprocs=1, join=True)
     for ci, case in enumerate(CASES1):
         res = torch.load(tmp_path / f"case{ci}.pt")
         ref_losses, ref_state = reference(case, world=1)

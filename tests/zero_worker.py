@@ -12,19 +12,18 @@ import infinity  # noqa: E402
 from engine_utils import batches, small_gpt, unit_bytes  # noqa: E402
 
 
-def _init(rank: int, world: int, port: int, **kw) -> None:
-    """Joins the gloo group of ``world`` processes on localhost:``port``."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, **kw)
+def _init(rank: int, world: int, rdzv: str, **kw) -> None:
+    """Joins the gloo group of ``world`` processes through the FileStore at
+    ``rdzv`` (a path no other spawn uses)."""
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world, **kw)
 
 
-def run(rank: int, world: int, port: int, cases: list, out_dir: str, group_size: int = 0) -> None:
+def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size: int = 0) -> None:
     """Trains each case; with ``group_size``, the world splits into groups of
     that many consecutive ranks, each data-parallel on its own (initialize's
     process_group), and each group's first rank writes case{i}_g{group}.pt."""
     torch.set_num_threads(1)
-    _init(rank, world, port)
+    _init(rank, world, rdzv)
     group, gid, suffix = None, 0, ""
     if group_size:
         for g in range(world // group_size):  # every rank creates every group
@@ -72,9 +71,9 @@ def run(rank: int, world: int, port: int, cases: list, out_dir: str, group_size:
         dist.destroy_process_group()
 
 
-def mismatch(rank: int, world: int, port: int, out_dir: str) -> None:
+def mismatch(rank: int, world: int, rdzv: str, out_dir: str) -> None:
     """Rank 1 builds a different model: initialize must fail on every rank."""
-    _init(rank, world, port)
+    _init(rank, world, rdzv)
     try:
         cfg = infinity.Config(device="cpu", dtype="fp32", host_memory="256MiB", zero_stage=1,
                               prefetch_depth=1 + rank)
@@ -89,11 +88,11 @@ def mismatch(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def crash(rank: int, world: int, port: int, out_dir: str) -> None:
+def crash(rank: int, world: int, rdzv: str, out_dir: str) -> None:
     """Rank 1 raises in the middle of a step; rank 0 must fail too, soon."""
     import datetime
     import time
-    _init(rank, world, port, timeout=datetime.timedelta(seconds=60))
+    _init(rank, world, rdzv, timeout=datetime.timedelta(seconds=60))
     cfg = infinity.Config(device="cpu", dtype="fp32", host_memory="256MiB", zero_stage=2, overlap="backward")
     model, opt = infinity.initialize(small_gpt(), cfg)
     x, y = batches(1, b=world)[0]
@@ -114,7 +113,7 @@ def crash(rank: int, world: int, port: int, out_dir: str) -> None:
     os._exit(0)  # like a crashed job: no orderly shutdown
 
 
-def collectives(rank: int, world: int, port: int, group_size: int = 0) -> None:
+def collectives(rank: int, world: int, rdzv: str, group_size: int = 0) -> None:
     """Sharding's collectives through the default group and through a gloo
     host group made for it (forced: gloo serves CPU tensors, so none would be
     made), sync against async; with ``group_size``, in subgroups of that many
@@ -123,7 +122,7 @@ def collectives(rank: int, world: int, port: int, group_size: int = 0) -> None:
     from infinity.engine.mover import CpuMover
     from infinity.engine.stats import Stats
     torch.set_num_threads(1)
-    _init(rank, world, port)
+    _init(rank, world, rdzv)
     group, ranks = None, list(range(world))
     for g in range(world // group_size if group_size else 0):  # every rank creates every group
         members = list(range(g * group_size, (g + 1) * group_size))
