@@ -233,7 +233,10 @@ class HostCache:
             self._settle_write_back(u)
             h.compute, h.buf = comp, buf
             h.state = transition(u.name, "host", h.state, CacheState.CLEAN)
-            return self.nvme.read(swap_key(u.index, "compute"), comp)
+            # Busy until the read is done: no eviction may free the buffer it
+            # fills (a fetch replaces this by its own transfer, which waits for it).
+            h.busy = self.nvme.read(swap_key(u.index, "compute"), comp)
+            return h.busy
 
     def for_fetch(self, u):
         """(host copy, NVMe read filling it or None): the source of a fetch."""

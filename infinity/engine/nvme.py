@@ -75,6 +75,7 @@ class NvmeTier:
         self._sizes: dict = {}
         self.retried: list = []  # one line per transient error retried (see faults.with_retries)
         self._writes: dict = {}  # key -> its last write (see _settle)
+        self._writes_lock = threading.Lock()
 
     @property
     def sum_chunk_bytes(self):
@@ -92,7 +93,9 @@ class NvmeTier:
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         self.stats.moved("nvme_write", n)
         self._settle(k)
-        h = self._writes[k] = RetryingHandle(lambda: self.store.write(k, t, crcs), self.retried)
+        h = RetryingHandle(lambda: self.store.write(k, t, crcs), self.retried)
+        with self._writes_lock:
+            self._writes[k] = h
         return h
 
     def read(self, k: Hashable, out: torch.Tensor) -> "RetryingHandle":
@@ -106,10 +109,13 @@ class NvmeTier:
         """Waits for the last write of ``k`` (retrying it if it failed) before
         another transfer of ``k``: a retry submitted after a later write would
         overwrite it, and a read after a failed write would return the old bytes."""
-        w = self._writes.get(k)
+        with self._writes_lock:  # the compute and host threads both transfer
+            w = self._writes.get(k)
         if w is not None:
             w.wait()
-            del self._writes[k]
+            with self._writes_lock:
+                if self._writes.get(k) is w:
+                    del self._writes[k]
 
     def __contains__(self, k: Hashable) -> bool:
         return k in self.store

@@ -32,11 +32,16 @@ class IOHandle:
         self._lock = threading.Lock()
         self._finished = False
         self._error: Optional[BaseException] = None
+        # True while its pieces are being submitted (the submitter holds
+        # ``_lock`` meanwhile): not done, and not to be completed by others.
+        self._submitting = False
 
     def done(self) -> bool:
         """True when the transfer has ended (successfully or not); never blocks."""
         if self._finished:
             return True
+        if self._submitting:
+            return False  # tickets still to come: the ones so far are not the transfer
         eng = self._store._engine
         return all(eng.done(t) for t in self._tickets)
 

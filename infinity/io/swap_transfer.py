@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import List, Optional, Tuple
 
 from .engine import ALIGN, READ, crc_count
@@ -25,6 +26,10 @@ from .swap_handle import IOHandle
 from .swap_layout import _Entry, _Piece
 from .swap_path import _SwapPath
 from .swap_sums import piece_sums, request_sums
+
+
+STAGE_TIMEOUT_S = 600.0  # a staging buffer not free this long: a bug, not a slow disk
+STAGE_POLL_S = 0.05      # how often a waiter looks again for a transfer it can complete
 
 
 def _round_up(n: int) -> int:
@@ -72,18 +77,29 @@ class _Transfers:
         """Submits ``entry``'s pieces; ``arrays`` receives each piece's checksum
         arrays (body, tail). ``given``: a write's sums for the whole key, from
         its producer."""
+        # [Note: a handle under submission]: the handle is visible to other
+        # threads from here (the store's in-flight list, its entry's pending
+        # list), but it is only a transfer once every piece is submitted. Its
+        # lock is held until then, so a _complete() from another thread (a
+        # settle of the same key, a staging reclaim) waits instead of
+        # finishing it with tickets still to come, which would return before
+        # the bytes moved and leak the staging taken after.
+        handle._submitting = True
         with self._lock:
             self._outstanding[id(handle)] = handle
         try:
-            for piece in entry.pieces:
-                pair = self._submit_piece(handle, op, piece, base_ptr + piece.rel, given)
-                handle._keep.append(pair)
-                arrays.append(pair)
+            with handle._lock:
+                for piece in entry.pieces:
+                    pair = self._submit_piece(handle, op, piece, base_ptr + piece.rel, given)
+                    handle._keep.append(pair)
+                    arrays.append(pair)
         except BaseException as exc:
             # Wait for what was submitted, release staging; a write then drops the key.
             handle._error = exc
+            handle._submitting = False
             handle._complete()
             raise
+        handle._submitting = False
 
     def _submit_piece(self, handle: IOHandle, op: int, piece: _Piece, ptr: int, given) -> tuple:
         """Submits one piece whose bytes are at ``ptr``: its aligned body in
@@ -119,14 +135,28 @@ class _Transfers:
         return body_arr, tail_arr
 
     def _stage(self, nbytes: int, exclude: IOHandle):
-        """A staging buffer; completes older transfers when the pool is spent."""
+        """A staging buffer; completes older transfers when the pool is spent
+        (never one still being submitted: see [Note: a handle under submission])."""
+        deadline = time.monotonic() + STAGE_TIMEOUT_S
         while True:
             try:
                 return self._pool.acquire(nbytes, block=False)
             except PoolExhausted:
-                with self._lock:
-                    older = next((h for h in self._outstanding.values() if h is not exclude), None)
-                if older is None:
-                    # Held by transfers of other threads (or a shared pool): wait for them.
-                    return self._pool.acquire(nbytes, block=True, timeout=600)
+                pass
+            with self._lock:
+                older = next((h for h in self._outstanding.values()
+                              if h is not exclude and not h._submitting), None)
+            if older is not None:
                 older._complete()
+                continue
+            # Held by transfers other threads are submitting (or by a shared
+            # pool's other users): they release it without us. Look again
+            # often: one of them may finish submitting and become completable.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PoolExhausted(f"SwapStore staging: {nbytes} bytes not free after {STAGE_TIMEOUT_S} s; "
+                                    f"{self._pool.free_bytes} of {self._pool.capacity_bytes} bytes free")
+            try:
+                return self._pool.acquire(nbytes, block=True, timeout=min(STAGE_POLL_S, left))
+            except PoolExhausted:
+                continue
