@@ -14,6 +14,7 @@ from .engine.core import Engine
 from .engine.hooks import install_hooks
 from .engine.optimizer import InfinityOptimizer
 from .optim.functional import check_hyperparameters
+from .signals import install_sigterm_handler
 
 __all__ = ["initialize", "stats", "full_state_dict", "engine_of", "close"]
 
@@ -82,6 +83,7 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
     optimizer = InfinityOptimizer(engine, groups, defaults)
     engine.attach(optimizer, install_hooks(engine))
     _ENGINES[model] = engine
+    install_sigterm_handler()  # [Note: SIGTERM]: the atexit close above then runs
     return model, optimizer
 
 

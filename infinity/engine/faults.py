@@ -62,7 +62,9 @@ class FaultState:
 
     def record(self, exc: BaseException, where: str) -> None:
         """Records ``exc`` (raised in ``where``) as the engine's fault, if it is the first."""
-        if isinstance(exc, (UsageError, EngineFailedError, KeyboardInterrupt, SystemExit)):
+        # An interrupt (SIGINT, SIGTERM: [Note: SIGTERM]) is a fault too: the
+        # operation it stopped may have changed part of the state.
+        if isinstance(exc, (UsageError, EngineFailedError)):
             return
         with self._lock:
             if self.first is None:
