@@ -9,6 +9,8 @@ AdamW and ZeRO stages 1-3. See docs/architecture.md.
 
 from . import native, optim
 from .api import close, full_state_dict, initialize, stats
+from .checkpoint import (CheckpointSpaceError, CorruptCheckpointError, load_checkpoint, save_checkpoint,
+                         verify_checkpoint)
 from .config import Config
 from .engine.faults import EngineFailedError
 from .engine.tiers import BudgetError
@@ -19,4 +21,5 @@ from .optim import CPUAdamW
 __version__ = "0.1.0"
 
 __all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "full_state_dict", "BudgetError",
-           "EngineFailedError", "init", "load_pretrained", "close", "__version__"]
+           "EngineFailedError", "init", "load_pretrained", "close", "save_checkpoint", "load_checkpoint",
+           "verify_checkpoint", "CorruptCheckpointError", "CheckpointSpaceError", "__version__"]

@@ -78,7 +78,8 @@ class Config:
         optimizer state when ``offload_optimizer="none"``. ``None``: 90% of
         the free device memory (CUDA) or unlimited (CPU).
     host_memory: hard budget for model state in (pinned) host memory.
-        ``None``: 80% of the RAM available at start-up.
+        ``None``: 80% of the RAM this process may use at start-up
+        (the machine's, or its memory cgroup's if smaller).
     offload_params: home of the parameters' compute copy: ``"none"`` (stays
         on the device), ``"host"`` or ``"nvme"``.
     offload_optimizer: home of fp32 master weights, gradients and Adam

@@ -182,7 +182,8 @@ def test_process_group_two_groups_of_two(tmp_path):
         for i, (l, r) in enumerate(zip(res["losses"], ref_losses)):
             assert abs(l - r) <= 1e-5 * abs(r), (g, i, l, r)
         assert_params_close(res["state"], ref_state, global_scale=True)
-    assert sorted(p.name for p in (tmp_path / "swap0").iterdir()) == []  # every rank removed its folder's files
+    swap = tmp_path / "swap0"  # every rank removed its folder; the last one the root it made, if empty
+    assert not swap.exists() or sorted(p.name for p in swap.iterdir()) == []
 
 
 @pytest.mark.parametrize("backend, serves", [

@@ -348,9 +348,12 @@ class DelayedSchedule(StepSchedule):
         if skip:
             return
         p.stats.steps += 1
+        # The hyper-parameters of this step(): the updates run after it, when
+        # an LR scheduler may already have moved the groups' lr.
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.updater.param_groups]
         for u, grad, written in work:
             def job(u=u, grad=grad, written=written) -> None:
-                self.updater.run(u, grad, written, u.host.next_compute, scale, live=False)
+                self.updater.run(u, grad, written, u.host.next_compute, scale, live=False, hyper=hyper)
 
             self._pending.append(p.mover.host_job(job))
             self._pending_units.append(u)

@@ -77,12 +77,14 @@ class Updater:
     # -- the update ----------------------------------------------------------------------
 
     def run(self, u, grad: torch.Tensor, written: List[bool], out: Optional[torch.Tensor], grad_scale: float,
-            live: bool = True) -> Optional[dict]:
+            live: bool = True, hyper: Optional[List[dict]] = None) -> Optional[dict]:
         """AdamW on ``u``: one kernel call per (param group, step count) run of
         consecutive slots that got gradients, writing the new compute copy into
         ``out`` (None: none, or the master is the copy). ``live``: ``out`` is the
         home now (not the delayed mode's second buffer), so the parameters'
-        versions move. Returns the checksums the kernel took (kind -> sums),
+        versions move. ``hyper``: the param groups' hyper-parameters as they
+        were at ``step()`` (an update that runs later must not see an LR
+        scheduler's next value). Returns the checksums the kernel took (kind -> sums),
         when one call updated the whole buffers, else None."""
         t0 = time.perf_counter()
         o = u.opt
@@ -97,7 +99,7 @@ class Updater:
         for (gi, step), global_ranges in groups.items():
             if whole:
                 global_ranges = [(0, u.place.trainable_numel)]
-            got = self._run_group(u, grad, out, global_ranges, self.param_groups[gi], step + 1, grad_scale,
+            got = self._run_group(u, grad, out, global_ranges, (hyper or self.param_groups)[gi], step + 1, grad_scale,
                                   chunk if whole else None)
             sums = got if got is not None else sums
         slots = u.layout.trainable_slots

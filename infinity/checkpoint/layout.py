@@ -1,0 +1,132 @@
+"""Where checkpoints live under a checkpoint folder, and how one becomes
+complete.
+
+[Note: a checkpoint is complete or invisible]
+``save_checkpoint(root, ...)`` writes ``root/.step-<N>.partial`` (files
+created new, fsynced as they close), then ``manifest.json`` into it (written
+under a temporary name, fsynced, renamed), fsyncs the folder, renames it to
+``root/step-<N>`` and fsyncs ``root``. A folder is a checkpoint only when it
+is named ``step-<N>`` and holds a manifest that parses, so a kill at any
+point leaves the previous checkpoints as they were and never makes a partial
+one the newest. Old checkpoints (``keep_last``) and partial folders of dead
+savers are removed only after the new one is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import List, Optional, Tuple
+
+__all__ = ["MANIFEST", "FORMAT_VERSION", "step_dir_name", "partial_dir", "commit", "complete_checkpoints",
+           "resolve", "prune", "fsync_dir", "write_json_atomic"]
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_STEP = re.compile(r"step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def partial_dir(root: str, step: int) -> str:
+    """The folder a checkpoint of ``step`` is written into before it is complete."""
+    return os.path.join(root, f".{step_dir_name(step)}.partial")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, obj: object) -> None:
+    """Writes ``obj`` as JSON at ``path`` through a fsynced temporary file renamed into place."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def commit(root: str, partial: str, step: int) -> str:
+    """Renames the written ``partial`` folder to ``root/step-<N>`` (replacing
+    an older checkpoint of the same step only once the new one is in place)
+    and makes both renames durable; returns the checkpoint's path."""
+    fsync_dir(partial)
+    final = os.path.join(root, step_dir_name(step))
+    old = None
+    if os.path.lexists(final):
+        old = os.path.join(root, f".{step_dir_name(step)}.replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(partial, final)
+    fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _manifest_ok(path: str) -> bool:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            m = json.load(f)
+        return isinstance(m, dict) and m.get("format") == "infinity-checkpoint"
+    except (OSError, ValueError):
+        return False
+
+
+def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
+    """(step, path) of the complete checkpoints under ``root``, oldest first."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        m = _STEP.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isdir(path) and _manifest_ok(path):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def resolve(path: str) -> str:
+    """``path`` itself if it is a checkpoint, else the newest complete one
+    under it; FileNotFoundError naming what was looked for otherwise."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    found = complete_checkpoints(path)
+    if found:
+        return found[-1][1]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"load_checkpoint: {path!r} does not exist")
+    partial = [n for n in os.listdir(path) if n.endswith(".partial")]
+    hint = f" ({len(partial)} incomplete: {sorted(partial)}; a save was interrupted)" if partial else ""
+    raise FileNotFoundError(f"load_checkpoint: no complete checkpoint in {path!r}: neither a {MANIFEST} there "
+                            f"nor a step-<N> folder holding one{hint}")
+
+
+def prune(root: str, keep_last: Optional[int], keep: str) -> List[str]:
+    """Removes complete checkpoints beyond the newest ``keep_last`` (never
+    ``keep``) and partial folders left by earlier saves; returns what went."""
+    gone = []
+    for name in os.listdir(root):
+        if name.startswith(".step-") and name.endswith((".partial", ".replaced")):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            gone.append(name)
+    if keep_last is not None:
+        done = complete_checkpoints(root)
+        for _, path in done[:max(0, len(done) - keep_last)]:
+            if os.path.abspath(path) != os.path.abspath(keep):
+                shutil.rmtree(path, ignore_errors=True)
+                gone.append(os.path.basename(path))
+    return gone

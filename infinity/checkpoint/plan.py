@@ -1,0 +1,133 @@
+"""What a checkpoint of one model holds, in the order it is streamed: unit by
+unit, each unit's buffer read once from wherever it lives (see [Note: what a
+checkpoint holds] in save.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..engine.faults import UsageError
+from ..engine.state import GradState
+
+__all__ = ["Plan", "plan_checkpoint", "Item"]
+
+# name, dtype, shape, source() -> the tensor's values (CPU or device, any layout)
+Item = Tuple[str, torch.dtype, Tuple[int, ...], Callable[[], torch.Tensor]]
+
+
+@dataclass
+class Plan:
+    """The tensors of a checkpoint (model file(s), optimizer file(s)), the
+    tied names and, per parameter, its unit slot."""
+
+    eng: object
+    names: Dict[int, str]                      # id(param) -> its checkpoint name
+    aliases: Dict[str, str]                    # other state_dict name -> checkpoint name
+    buffers: Dict[str, torch.Tensor]           # persistent buffers by state_dict name
+    model_items: List[Item] = field(default_factory=list)
+    optim_items: List[Item] = field(default_factory=list)
+    reader: "UnitReader" = None
+
+    def __post_init__(self):
+        self.reader = UnitReader(self.eng)
+
+    @staticmethod
+    def nbytes(dtype: torch.dtype, shape) -> int:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        return n * torch.empty(0, dtype=dtype).element_size()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes(d, s) for _, d, s, _ in self.model_items + self.optim_items)
+
+    @property
+    def step(self) -> int:
+        """The largest Adam step count of any parameter (0 before the first step)."""
+        return max((s.step for u in self.eng.units for s in u.layout.trainable_slots), default=0)
+
+    def param_steps(self) -> Dict[str, int]:
+        return {self.names[id(s.param)]: int(s.step) for u in self.eng.units for s in u.layout.trainable_slots}
+
+    def param_groups(self, optimizer) -> List[dict]:
+        """The groups' hyper-parameters (JSON) with their parameters by name."""
+        out = []
+        for g in optimizer.param_groups:
+            d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+            d["params"] = [self.names[id(p)] for p in g["params"]]
+            out.append(d)
+        return out
+
+    def check_between_steps(self, what: str) -> None:
+        """Refuses a save while gradients of an unfinished accumulation window are held."""
+        eng = self.eng
+        if eng.in_pass or any(u.grads.state is GradState.ACCUMULATING for u in eng.units):
+            raise UsageError(f"{what}: gradients of a backward not yet stepped are held; they are not part of a "
+                             "checkpoint, so the resumed run would differ. Call it after optimizer.step() (and "
+                             "before the next backward)")
+
+
+def _names(model: nn.Module) -> Tuple[Dict[int, str], Dict[str, str], Dict[str, torch.Tensor]]:
+    """(id(param) -> first name, alias -> first name, persistent buffers by name)."""
+    names: Dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    aliases, buffers = {}, {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) in names:
+            if names[id(value)] != key:
+                aliases[key] = names[id(value)]
+        elif isinstance(value, torch.Tensor):
+            buffers[key] = value
+    return names, aliases, buffers
+
+
+def plan_checkpoint(model: nn.Module, eng, exclude_frozen: bool = False) -> Plan:
+    """The plan of ``model``'s checkpoint (``eng`` its engine)."""
+    names, aliases, buffers = _names(model)
+    plan = Plan(eng, names, aliases, buffers)
+    for u in eng.units:
+        _unit_items(plan, u, exclude_frozen)
+    for key, b in buffers.items():
+        plan.model_items.append((key, b.dtype, tuple(b.shape), lambda b=b: b))
+    return plan
+
+
+def _unit_items(plan: Plan, u, exclude_frozen: bool) -> None:
+    dtype_of = {"master": torch.float32, "compute": plan.eng.modes.dtype}
+    for kind, want in (("master", True), ("compute", False)):
+        for s in u.layout.slots:
+            if s.trainable is not want or (not want and exclude_frozen):
+                continue
+            plan.model_items.append((plan.names[id(s.param)], dtype_of[kind], tuple(s.shape),
+                                     lambda s=s, kind=kind: plan.reader.slice(u, kind, s)))
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for s in u.layout.trainable_slots:
+            plan.optim_items.append((f"{kind}.{plan.names[id(s.param)]}", torch.float32, tuple(s.shape),
+                                     lambda s=s, kind=kind: plan.reader.slice(u, kind, s)))
+
+
+class UnitReader:
+    """A unit's buffer of one kind, read from its tier when its first slot is
+    asked for and dropped when another unit's or kind's is (bounded memory:
+    one unit's buffer at a time, since the items come unit by unit)."""
+
+    def __init__(self, eng):
+        self.eng = eng
+        self._key: Optional[tuple] = None
+        self._buf: Optional[torch.Tensor] = None
+
+    def slice(self, u, kind: str, s) -> torch.Tensor:
+        if self._key != (u.index, kind):
+            self._buf = None  # freed before the next one is read
+            self._buf = self.eng.read(u, kind)
+            self._key = (u.index, kind)
+        return self._buf[s.offset:s.offset + s.numel].view(s.shape)
+
+    def done(self) -> None:
+        self._buf, self._key = None, None

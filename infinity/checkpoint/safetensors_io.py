@@ -1,0 +1,165 @@
+"""Streaming reader and writer of safetensors files, with a CRC32C per tensor.
+
+[Note: streamed safetensors]
+A safetensors file is an 8-byte little-endian header length, a JSON header
+naming each tensor's dtype, shape and byte range, then the bytes. Every
+shape is known before a checkpoint is written, so the header is written
+first and the tensors follow one at a time, in the declared order, straight
+from wherever they live: the writer never holds more than the tensor it is
+given. The files stay readable by the ``safetensors`` package. Each tensor's
+CRC32C (the native one of infinity.io) is taken as it is written and kept in
+the checkpoint's manifest; the reader checks it as it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..io.engine import crc32c
+
+__all__ = ["DTYPES", "Entry", "ShardWriter", "read_tensor", "read_header", "CorruptCheckpointError"]
+
+DTYPES: Dict[torch.dtype, str] = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_BY_NAME = {v: k for k, v in DTYPES.items()}
+ALIGN = 8  # the header is padded so the data starts 8-byte aligned
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file does not hold what its manifest says (names file, tensor, offset)."""
+
+
+Entry = Tuple[str, torch.dtype, Tuple[int, ...]]  # name, dtype, shape
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+class ShardWriter:
+    """Writes one safetensors file of ``entries`` (name, dtype, shape), in
+    that order, at ``path`` (created new, 0600). :meth:`write` each tensor in
+    order; :meth:`close` flushes and fsyncs. ``records`` then lists, per
+    tensor, what the manifest keeps (offset and length in bytes in the file,
+    CRC32C)."""
+
+    def __init__(self, path: str, entries: Sequence[Entry], metadata: Optional[Dict[str, str]] = None):
+        self.path = path
+        header: Dict[str, object] = {}
+        off = 0
+        self._order: List[Tuple[str, int]] = []
+        for name, dtype, shape in entries:
+            n = _nbytes(dtype, shape)
+            header[name] = {"dtype": DTYPES[dtype], "shape": [int(d) for d in shape], "data_offsets": [off, off + n]}
+            self._order.append((name, n))
+            off += n
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % ALIGN)
+        self.data_start = 8 + len(raw)
+        self.nbytes = self.data_start + off
+        self.records: List[dict] = []
+        self._next = 0
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self._f = os.fdopen(fd, "wb", buffering=1 << 20)
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+        self._pos = self.data_start
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        """Appends tensor ``name`` (the next one declared), from any CPU tensor."""
+        want, n = self._order[self._next]
+        if name != want:
+            raise RuntimeError(f"internal: {self.path}: tensor {name!r} written where {want!r} is next")
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        if t.numel() * t.element_size() != n:
+            raise RuntimeError(f"internal: {self.path}: tensor {name!r} has {t.numel() * t.element_size()} bytes, "
+                               f"{n} declared")
+        crc = crc32c(t.data_ptr(), n) if n else 0
+        if n:
+            self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self.records.append({"name": name, "offset": self._pos, "length": n, "crc32c": crc})
+        self._pos += n
+        self._next += 1
+
+    def close(self) -> None:
+        """Flushes and fsyncs the file; raises if a declared tensor was not written."""
+        try:
+            if self._next != len(self._order):
+                raise RuntimeError(f"internal: {self.path}: {len(self._order) - self._next} tensors not written")
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        finally:
+            self._f.close()
+
+    def abort(self) -> None:
+        """Closes without checks (the partial file is removed by the caller)."""
+        try:
+            self._f.close()
+        except OSError:
+            pass
+
+
+def read_header(path: str) -> Tuple[dict, int]:
+    """(header dict, data start in bytes) of the safetensors file at ``path``."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CorruptCheckpointError(f"{path}: {len(head)} bytes, not a safetensors file (truncated?)")
+            n = struct.unpack("<Q", head)[0]
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: missing (the manifest names it)") from None
+    if len(raw) != n:
+        raise CorruptCheckpointError(f"{path}: header of {n} bytes announced, {len(raw)} present (truncated)")
+    try:
+        return json.loads(raw), 8 + n
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: header is not valid JSON ({e})") from None
+
+
+def read_tensor(f, path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int],
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reads the tensor of manifest record ``rec`` from open file ``f`` (of
+    ``path``) into ``out`` (or a new CPU tensor) and checks its CRC32C."""
+    n = rec["length"]
+    t = out if out is not None else torch.empty(tuple(shape), dtype=dtype)
+    if t.numel() * t.element_size() != n:
+        raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} has {n} bytes in the manifest, "
+                                     f"{t.numel() * t.element_size()} for shape {tuple(shape)} {dtype}")
+    if n == 0:
+        return t
+    f.seek(rec["offset"])
+    got = f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    if got != n:
+        raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset']}: {got} of {n} bytes "
+                                     "present (file truncated)")
+    crc = crc32c(t.data_ptr(), n)
+    if crc != rec["crc32c"]:
+        raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset']} ({n} bytes): "
+                                     f"CRC32C {crc:#010x}, the manifest says {rec['crc32c']:#010x} (corrupt file)")
+    return t
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name ("F32", "BF16", ...)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise CorruptCheckpointError(f"unknown tensor dtype {name!r} in a checkpoint") from None

@@ -1,0 +1,260 @@
+"""``save_checkpoint``: the state of a run, streamed unit by unit out of
+whichever tier holds it into safetensors shards and a JSON manifest.
+
+[Note: what a checkpoint holds]
+- ``model-*.safetensors``: every parameter once, under its first name in
+  ``model.named_parameters()`` (tied names are aliases in the manifest):
+  trainable ones as their fp32 master (exact: the compute copy is the master
+  rounded), frozen ones as their compute copy; then the persistent buffers.
+  Readable with plain ``safetensors``.
+- ``optimizer-*.safetensors``: ``exp_avg.<name>`` and ``exp_avg_sq.<name>``
+  of every trainable parameter (fp32).
+- ``manifest.json``: format version; per tensor its file, dtype, shape,
+  offset, length and CRC32C; each parameter's Adam step count; the param
+  groups' hyper-parameters by parameter name; the LR scheduler's and the fp16
+  loss scaler's states; every rank's RNG states; the user's ``extra``; world
+  size, ZeRO stage and the config at save time.
+Tensors are full (not sharded), so a checkpoint loads at any world size,
+stage and placement. Under ZeRO every rank takes part in the gathers and
+rank 0 writes; each rank adds its own RNG state.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import format_bytes
+from . import layout, rng
+from .plan import Plan, plan_checkpoint
+from .safetensors_io import ShardWriter
+
+__all__ = ["save_checkpoint", "CheckpointSpaceError", "MAX_SHARD_BYTES"]
+
+MAX_SHARD_BYTES = 4 << 30  # per safetensors file
+
+# Tests: called with the name of each point of a save (crash-safety tests kill the process there).
+test_hook: Optional[Callable[[str], None]] = None
+
+
+def _at(point: str) -> None:
+    if test_hook is not None:
+        test_hook(point)
+SPACE_MARGIN_BYTES = 16 << 20  # headers, the manifest and the filesystem's own blocks
+
+
+class CheckpointSpaceError(OSError):
+    """The checkpoint folder's filesystem has no room for the checkpoint (names
+    the path, the bytes needed and free); the partial checkpoint was removed
+    and the run goes on."""
+
+
+def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optional[dict] = None,
+                    step: Optional[int] = None, keep_last: Optional[int] = None,
+                    exclude_frozen: bool = False) -> Path:
+    """Writes the run's state to ``path/step-<N>/`` and returns that path.
+
+    Call between steps (after ``optimizer.step()``), on every rank under
+    ZeRO. ``step`` defaults to the optimizer's step count; ``extra`` is any
+    JSON-able dict returned by :func:`load_checkpoint` (data position,
+    epoch); ``keep_last`` removes older checkpoints once this one is
+    complete; ``exclude_frozen`` leaves frozen parameters out (an adapter on
+    a frozen base). See [Note: what a checkpoint holds] and [Note: a
+    checkpoint is complete or invisible].
+
+    Raises:
+        CheckpointSpaceError: the filesystem lacks room (bytes named); nothing
+            is left behind and training can go on.
+        UsageError: called in the middle of an accumulation window.
+        EngineFailedError: the engine failed earlier (nothing is saved).
+    """
+    from ..api import engine_of
+    eng = engine_of(model)
+    if optimizer is not eng.optimizer:
+        raise ValueError("save_checkpoint: optimizer is not the one infinity.initialize returned for this model")
+    optimizer.flush()
+    eng.faults.check("infinity.save_checkpoint()")
+    plan = plan_checkpoint(model, eng, exclude_frozen)
+    plan.check_between_steps("save_checkpoint")
+    step = plan.step if step is None else int(step)
+    root = os.path.abspath(os.fspath(path))
+    meta = _manifest_head(eng, optimizer, plan, lr_scheduler, extra, step, exclude_frozen)
+    writer = eng.sharding.rank == 0
+    partial = layout.partial_dir(root, step)
+    if writer:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        _check_space(root, plan)
+        os.mkdir(partial, 0o700)
+    try:
+        tensors = _write_all(eng, plan, partial if writer else None)
+    except BaseException:
+        if writer:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _barrier(eng)  # the folder exists: every rank adds its RNG state
+    rng_of_rank = _exchange_rng(eng, partial)
+    if not writer:
+        _barrier(eng)
+        return Path(root) / layout.step_dir_name(step)
+    try:
+        meta.update(tensors=tensors, rng=rng_of_rank, files=_file_sizes(partial))
+        _at("manifest")
+        layout.write_json_atomic(os.path.join(partial, layout.MANIFEST), meta)
+        _at("commit")
+        final = layout.commit(root, partial, step)
+        _at("prune")
+        layout.prune(root, keep_last, keep=final)
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise _space_error(root, plan, e) from e
+    finally:
+        _barrier(eng)
+    return Path(final)
+
+
+def _write_all(eng, plan: Plan, folder: Optional[str]) -> Dict[str, dict]:
+    """Streams the model and optimizer tensors into ``folder`` (None: this
+    rank only takes part in the gathers); the manifest's tensor records. A
+    write error stops the writing, not the reading: under ZeRO the reads are
+    collectives every rank must finish; then every rank raises."""
+    records: Dict[str, dict] = {}
+    failed: Optional[OSError] = None
+    for prefix, items in (("model", plan.model_items), ("optimizer", plan.optim_items)):
+        shards = _split([(n, d, s) for n, d, s, _ in items], MAX_SHARD_BYTES)
+        it = iter(items)
+        for k, entries in enumerate(shards):
+            fname = f"{prefix}-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            w = None
+            if folder is not None and failed is None:
+                try:
+                    w = ShardWriter(os.path.join(folder, fname), entries, {"format": "pt"})
+                except OSError as e:
+                    failed = e
+            for name, _, _, source in (next(it) for _ in entries):
+                t = eng_guarded(eng, source)
+                if w is not None and failed is None:
+                    try:
+                        w.write(name, t)
+                        _at("tensor")
+                    except OSError as e:
+                        failed = e
+            if w is not None:
+                try:
+                    if failed is None:
+                        w.close()
+                        records.update((r["name"], dict(r, file=fname)) for r in w.records)
+                except OSError as e:
+                    failed = e
+                finally:
+                    w.abort()
+    plan.reader.done()
+    if eng.sharding.world > 1 and eng.sharding.sum(1.0 if failed is not None else 0.0) and failed is None:
+        raise RuntimeError("save_checkpoint: rank 0 could not write the checkpoint (its error says why); "
+                           "nothing was saved")
+    if failed is not None:
+        raise _space_error(os.path.dirname(folder), plan, failed) from failed
+    for name, dtype, shape, _ in plan.model_items + plan.optim_items:
+        if name in records:
+            records[name].update(dtype=str(dtype).replace("torch.", ""), shape=list(shape))
+    return records
+
+
+def eng_guarded(eng, source):
+    """A tensor from the engine's tiers (``source()``); a fault reading it fails the engine."""
+    with eng.faults.guard("infinity.save_checkpoint() (reading the state)"):
+        return source()
+
+
+def _split(entries: List[Tuple], limit: int) -> List[List[Tuple]]:
+    shards, cur, size = [], [], 0
+    for e in entries:
+        n = Plan.nbytes(e[1], e[2])
+        if cur and size + n > limit:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        size += n
+    return shards + [cur] if cur or not shards else shards
+
+
+def _manifest_head(eng, optimizer, plan: Plan, lr_scheduler, extra, step: int, exclude_frozen: bool) -> dict:
+    import json
+    if extra is not None:
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"save_checkpoint: extra must be JSON-able (numbers, strings, lists, dicts): {e}") from None
+    sched = lr_scheduler.state_dict() if lr_scheduler is not None else None
+    if sched is not None:
+        try:
+            json.dumps(sched)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"save_checkpoint: the LR scheduler's state_dict is not JSON-able ({e}); "
+                            "use a scheduler whose state is plain numbers (LambdaLR keeps no lambdas in it)") from None
+    return {
+        "format": "infinity-checkpoint", "version": layout.FORMAT_VERSION, "step": step, "saved_at": time.time(),
+        "world_size": eng.sharding.world, "zero_stage": eng.modes.zero, "config": eng.config.to_dict(),
+        "exclude_frozen": exclude_frozen, "aliases": plan.aliases, "param_steps": plan.param_steps(),
+        "param_groups": plan.param_groups(optimizer), "lr_scheduler": sched, "extra": extra,
+        "loss_scaler": {"loss_scale": optimizer.loss_scale, "good_steps": optimizer._good_steps},
+        "torch_version": torch.__version__,
+    }
+
+
+def _exchange_rng(eng, partial: str) -> dict:
+    """Every rank writes its RNG state into the folder; rank 0 collects them all."""
+    import json
+    r = eng.sharding.global_rank
+    own = rng.capture()
+    if eng.sharding.world == 1:
+        return {str(r): own}
+    path = os.path.join(partial, f"rng-rank{r}.json")
+    if eng.sharding.rank != 0:
+        layout.write_json_atomic(path, own)
+    _barrier(eng)
+    if eng.sharding.rank != 0:
+        return {}
+    out = {str(r): own}
+    for name in sorted(os.listdir(partial)):
+        if name.startswith("rng-rank") and name.endswith(".json"):
+            with open(os.path.join(partial, name)) as f:
+                out[name[len("rng-rank"):-len(".json")]] = json.load(f)
+            os.unlink(os.path.join(partial, name))
+    return out
+
+
+def _barrier(eng) -> None:
+    if eng.sharding.world > 1:
+        eng.sharding.sum(0.0)
+
+
+def _file_sizes(folder: str) -> Dict[str, int]:
+    return {n: os.path.getsize(os.path.join(folder, n)) for n in sorted(os.listdir(folder))
+            if n.endswith(".safetensors")}
+
+
+def _check_space(root: str, plan: Plan) -> None:
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize
+    need = plan.total_bytes + SPACE_MARGIN_BYTES
+    if free < need:
+        raise CheckpointSpaceError(errno.ENOSPC, f"save_checkpoint: {root!r} has {free} bytes ({format_bytes(free)}) "
+                                   f"free, the checkpoint needs {need} ({format_bytes(need)}); nothing was written. "
+                                   "Free space, choose another folder, or pass keep_last to drop old checkpoints")
+
+
+def _space_error(root: str, plan: Plan, e: OSError) -> OSError:
+    if e.errno != errno.ENOSPC:
+        return e
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize
+    return CheckpointSpaceError(errno.ENOSPC, f"save_checkpoint: the disk of {root!r} filled up while writing "
+                                f"({e}); the checkpoint needs {plan.total_bytes} bytes, {free} are free now. "
+                                "The partial checkpoint was removed; earlier ones and the run are intact")

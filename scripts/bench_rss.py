@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Peak RSS of NVMe-offloaded training against plain torch training the same
+model in memory, in one run (each in its own process, so neither inherits
+the other's heap).
+
+A GPT-style model is trained for a few steps (a) with torch.optim.AdamW
+(foreach=False) holding everything in RAM (16 bytes a parameter plus
+activations), (b) through infinity with parameters and optimizer state in
+swap files, ``host_memory`` and ``device_memory`` budgets far below the model
+state. Reported for each: peak RSS (VmHWM), steady RSS and its growth over
+the measured steps, and for infinity the documented bound: host budget +
+device budget (a region of RAM on the CPU) + swap staging (2 blocks a path)
++ the runtime (the RSS of the same process after importing torch and
+building the model on the meta device, measured). Prints the ratio of the
+peak RSSs and whether infinity's peak is within its bound.
+
+Usage: python scripts/bench_rss.py [--layers 12 --embd 768 --steps 4 --host 256MiB --device 128MiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def _model(args):
+    import torch
+    from infinity.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                         n_embd=args.embd, tie_weights=True))
+
+
+def _batches(args):
+    import torch
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g) for _ in range(args.steps)]
+
+
+def child(args) -> dict:
+    """One side's run in this process; returns its figures."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import infinity
+    torch.set_num_threads(os.cpu_count() or 1)
+    base = _rss_kib("VmRSS")
+    model = _model(args)
+    params = sum(p.numel() for p in model.parameters())
+    rss = []
+    if args.side == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    else:
+        cfg = infinity.Config(device="cpu", dtype="fp32", offload_params="nvme", offload_optimizer="nvme",
+                              host_memory=args.host, device_memory=args.device, swap_paths=[args.swap],
+                              overlap="backward")
+        model, opt = infinity.initialize(model, cfg, lr=1e-4)
+    for ids in _batches(args):
+        loss = model(ids[:, :-1], ids[:, 1:])
+        loss = loss[1] if isinstance(loss, tuple) else loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rss.append(_rss_kib("VmRSS") * 1024)
+    out = {"side": args.side, "params": params, "peak_rss": _rss_kib("VmHWM") * 1024, "rss": rss,
+           "runtime_rss": base * 1024}
+    if args.side == "infinity":
+        st = infinity.stats(model)
+        out["budgets"] = {"host": cfg.host_memory, "device": cfg.device_memory,
+                          "staging": 2 * len(cfg.swap_paths) * cfg.swap_block_size}
+        out["peak_bytes"] = st.get("peak_bytes")
+        infinity.close(model)
+    return out
+
+
+def run_side(args, side: str, swap: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", side, "--swap", swap] + args.passthrough
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"{side} run failed ({res.returncode}):\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def report(t: dict, i: dict) -> bool:
+    gib = 1 << 30
+    b = i["budgets"]
+    bound = b["host"] + b["device"] + b["staging"] + i["runtime_rss"] + ACTIVATION_ALLOWANCE
+    print(f"model: {i['params'] / 1e6:.1f} M parameters, model state {16 * i['params'] / gib:.2f} GiB")
+    for r in (t, i):
+        growth = r["rss"][-1] - r["rss"][1] if len(r["rss"]) > 2 else 0
+        print(f"  {r['side']:9s} peak RSS {r['peak_rss'] / gib:6.2f} GiB   last {r['rss'][-1] / gib:6.2f} GiB   "
+              f"growth after step 2 {growth / (1 << 20):+7.1f} MiB")
+    print(f"  infinity budgets: host {b['host'] / gib:.2f} GiB + device {b['device'] / gib:.2f} GiB + staging "
+          f"{b['staging'] / (1 << 20):.0f} MiB + runtime {i['runtime_rss'] / gib:.2f} GiB + activations "
+          f"{ACTIVATION_ALLOWANCE / (1 << 20):.0f} MiB = bound {bound / gib:.2f} GiB")
+    ratio = i["peak_rss"] / t["peak_rss"]
+    ok = i["peak_rss"] <= t["peak_rss"] and i["peak_rss"] <= bound
+    print(f"peak RSS ratio infinity / torch = {ratio:.3f}; within bound: {i['peak_rss'] <= bound}; "
+          f"{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+ACTIVATION_ALLOWANCE = 256 << 20  # the batch's activations and autograd's buffers (both sides have them)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--embd", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--host", default="256MiB")
+    ap.add_argument("--device", default="128MiB")
+    ap.add_argument("--swap", default=None, help="swap folder (default: a temporary one under ./infinity-swap)")
+    ap.add_argument("--child", choices=["torch", "infinity"], help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        args.side = args.child
+        print(json.dumps(child(args)))
+        return
+    args.passthrough = [a for a in sys.argv[1:] if not a.startswith("--swap") and a != "--json"]
+    os.makedirs("infinity-swap", exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.swap or "infinity-swap") as swap:
+        t = run_side(args, "torch", swap)
+        i = run_side(args, "infinity", swap)
+    ok = report(t, i)
+    if args.json:
+        print(json.dumps({"torch": t, "infinity": i}))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Checkpoints (issue 19): exact resume across placements, overlap modes,
+dtypes, schedulers, accumulation and clipping; a new process resumes
+exactly (RNG included); the layout, keep_last and latest resolution."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from paging_zoo import Chain, base_config
+
+import infinity
+from infinity.checkpoint import layout
+
+
+def model(dropout=0.0):
+    torch.manual_seed(0)
+    m = Chain([32, 16, 64, 8])
+    if dropout:
+        m.inp = torch.nn.Sequential(m.inp, torch.nn.Dropout(dropout))
+    return m
+
+
+def data(n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(n)]
+
+
+def make(tmp_path, tag, params, opt, overlap="step", dtype="fp32", accum=1, clip=None, sched=False):
+    cfg = infinity.Config(**base_config(offload_params=params, offload_optimizer=opt, overlap=overlap, dtype=dtype,
+                                        device_memory=1 << 20, swap_paths=[str(tmp_path / f"swap-{tag}")],
+                                        swap_block_size=4096, grad_accumulation_steps=accum, max_grad_norm=clip))
+    m, o = infinity.initialize(model(), cfg, lr=1e-2)
+    s = torch.optim.lr_scheduler.LambdaLR(o, lambda k: min(1.0, (k + 1) / 3) * 0.9 ** k) if sched else None
+    return m, o, s
+
+
+def train(m, o, s, batches, accum=1, flush_after=None):
+    losses = []
+    for i in range(0, len(batches), accum):
+        if flush_after is not None and i == flush_after:
+            o.flush()  # delayed mode: a save applies the queued update (as a flush does)
+        for x, y in batches[i:i + accum]:
+            loss = m(x.to(o.engine.modes.dtype), y.to(o.engine.modes.dtype))
+            o.scale_loss(loss).backward()
+            losses.append(loss.item())
+        o.step()
+        o.zero_grad()
+        if s is not None:
+            s.step()
+    return losses
+
+
+def resume_matches(tmp_path, steps=3, **kw):
+    accum = kw.get("accum", 1)
+    batches = data(2 * steps * accum)
+    m, o, s = make(tmp_path, "ref", **kw)
+    ref = train(m, o, s, batches, accum, flush_after=steps * accum)
+    ref_sd = infinity.full_state_dict(m)
+    infinity.close(m)
+    m, o, s = make(tmp_path, "a", **kw)
+    first = train(m, o, s, batches[:steps * accum], accum)
+    path = infinity.save_checkpoint(tmp_path / "ckpt", m, o, lr_scheduler=s, extra={"batch": steps * accum})
+    infinity.close(m)
+    m, o, s = make(tmp_path, "b", **kw)
+    extra = infinity.load_checkpoint(tmp_path / "ckpt", m, o, lr_scheduler=s)
+    assert extra == {"batch": steps * accum}
+    rest = train(m, o, s, batches[extra["batch"]:], accum)
+    sd = infinity.full_state_dict(m)
+    infinity.close(m)
+    assert first + rest == ref, (first + rest, ref)
+    for k in ref_sd:
+        assert torch.equal(sd[k], ref_sd[k]), k
+    return path
+
+
+PLACEMENTS = [("none", "host"), ("host", "host"), ("nvme", "nvme"), ("nvme", "host"), ("host", "nvme"),
+              ("host", "none")]
+
+
+@pytest.mark.parametrize("params,opt", PLACEMENTS)
+@pytest.mark.parametrize("overlap", ["step", "backward"])
+def test_resume_is_bit_exact_across_placements(tmp_path, params, opt, overlap):
+    if opt == "none" and overlap == "backward":
+        pytest.skip("overlap='backward' needs a host optimizer")
+    resume_matches(tmp_path, params=params, opt=opt, overlap=overlap)
+
+
+@pytest.mark.parametrize("kw", [
+    {"dtype": "bf16", "params": "nvme", "opt": "nvme", "overlap": "backward"},
+    {"dtype": "bf16", "params": "host", "opt": "host"},
+    {"dtype": "fp16", "params": "host", "opt": "host"},
+    {"dtype": "fp16", "params": "nvme", "opt": "nvme"},
+    {"params": "nvme", "opt": "nvme", "sched": True, "accum": 2, "clip": 0.05},
+    {"params": "host", "opt": "host", "overlap": "backward", "sched": True, "accum": 2},
+    {"params": "host", "opt": "host", "overlap": "delayed", "sched": True},
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_resume_is_bit_exact_with_dtypes_schedules_accumulation_clipping(tmp_path, kw):
+    resume_matches(tmp_path, **kw)
+
+
+def test_fp16_loss_scaler_state_is_restored(tmp_path):
+    m, o, _ = make(tmp_path, "a", "host", "host", dtype="fp16")
+    train(m, o, None, data(2))
+    o.loss_scale, o._good_steps = 1024.0, 7
+    infinity.save_checkpoint(tmp_path / "ck", m, o)
+    infinity.close(m)
+    m, o, _ = make(tmp_path, "b", "host", "host", dtype="fp16")
+    infinity.load_checkpoint(tmp_path / "ck", m, o)
+    assert (o.loss_scale, o._good_steps) == (1024.0, 7)
+    infinity.close(m)
+
+
+CHILD = textwrap.dedent("""
+    import json, random, sys
+    sys.path.insert(0, {tests!r})
+    import torch, infinity
+    from test_checkpoint import model, data
+    from paging_zoo import base_config
+    mode, root, swap = sys.argv[1], sys.argv[2], sys.argv[3]
+    random.seed(1)
+    cfg = infinity.Config(**base_config(offload_params="nvme", offload_optimizer="nvme", overlap="backward",
+                                        device_memory=1 << 20, swap_paths=[swap], swap_block_size=4096))
+    m, o = infinity.initialize(model(dropout=0.2), cfg, lr=1e-2)
+    batches = data(6)
+    start = 0
+    if mode == "resume":
+        start = infinity.load_checkpoint(root, m, o)["next"]
+    losses = []
+    for i in range(start, 6):
+        x, y = batches[i]
+        noise = random.random()  # python's generator: restored too
+        loss = m(x * (1 + noise), y)
+        loss.backward(); o.step(); o.zero_grad()
+        losses.append(loss.item())
+        if mode == "first" and i == 2:
+            infinity.save_checkpoint(root, m, o, extra={{"next": 3}})
+            break
+    print(json.dumps(losses))
+    infinity.close(m)
+""")
+
+
+def _child(tmp_path, mode):
+    code = CHILD.format(tests=os.path.dirname(__file__))
+    r = subprocess.run([sys.executable, "-c", code, mode, str(tmp_path / "ck"), str(tmp_path / f"swap-{mode}")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import json
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_new_process_resumes_exactly_with_dropout_and_python_rng(tmp_path):
+    full = _child(tmp_path, "full")
+    first = _child(tmp_path, "first")
+    rest = _child(tmp_path, "resume")
+    assert first + rest == full, (first, rest, full)
+
+
+def test_layout_latest_and_keep_last(tmp_path):
+    m, o, _ = make(tmp_path, "a", "host", "host")
+    batches = data(4)
+    paths = []
+    for i in range(4):
+        train(m, o, None, batches[i:i + 1])
+        paths.append(infinity.save_checkpoint(tmp_path / "ck", m, o, keep_last=2))
+    assert [p.name for p in paths] == [layout.step_dir_name(k) for k in (1, 2, 3, 4)]
+    assert sorted(os.listdir(tmp_path / "ck")) == [layout.step_dir_name(3), layout.step_dir_name(4)]
+    files = sorted(os.listdir(paths[-1]))
+    assert files == ["manifest.json", "model-00001-of-00001.safetensors", "optimizer-00001-of-00001.safetensors"]
+    assert layout.resolve(tmp_path / "ck") == str(paths[-1])
+    # A partial folder (a save that was killed) is never the latest.
+    os.mkdir(tmp_path / "ck" / ".step-00000009.partial")
+    assert layout.resolve(tmp_path / "ck") == str(paths[-1])
+    info = infinity.verify_checkpoint(tmp_path / "ck")
+    n_params = len(list(m.named_parameters()))
+    assert info["step"] == 4 and info["tensors"] == 3 * n_params + len(list(m.buffers())), info
+    infinity.close(m)
+
+
+def test_weights_are_plain_safetensors_by_parameter_name(tmp_path):
+    from safetensors.torch import load_file
+    m, o, _ = make(tmp_path, "a", "nvme", "nvme", dtype="bf16")
+    train(m, o, None, data(2))
+    path = infinity.save_checkpoint(tmp_path / "ck", m, o)
+    live = infinity.full_state_dict(m)
+    weights = load_file(str(path / "model-00001-of-00001.safetensors"))
+    assert sorted(weights) == sorted(live)
+    for k, v in weights.items():
+        assert v.dtype == torch.float32 and torch.equal(v, live[k]), k
+    moments = load_file(str(path / "optimizer-00001-of-00001.safetensors"))
+    assert sorted(moments) == sorted([f"exp_avg.{k}" for k in live] + [f"exp_avg_sq.{k}" for k in live])
+    sd = o.state_dict()
+    names = [n for n, _ in m.named_parameters()]
+    for i, n in enumerate(names):
+        assert torch.equal(moments[f"exp_avg.{n}"], sd["state"][i]["exp_avg"]), n
+    infinity.close(m)
+
+
+def test_save_in_the_middle_of_an_accumulation_window_is_refused(tmp_path):
+    m, o, _ = make(tmp_path, "a", "host", "host", accum=2)
+    x, y = data(1)[0]
+    m(x, y).backward()
+    with pytest.raises(infinity.engine.faults.UsageError, match="after optimizer.step"):
+        infinity.save_checkpoint(tmp_path / "ck", m, o)
+    assert not (tmp_path / "ck").exists() or not os.listdir(tmp_path / "ck")
+    m(x, y).backward()
+    o.step()
+    infinity.save_checkpoint(tmp_path / "ck", m, o)
+    infinity.close(m)
