@@ -32,7 +32,7 @@ from typing import Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from ..io.swap_dir import make_dir, remove_own_dir
-from ..io.swap_store import IOHandle, SwapStore
+from ..io.swap_store import SwapStore
 from .faults import with_retries
 from .stats import Stats
 

@@ -1,0 +1,62 @@
+"""Worker of tests/test_checkpoint_zero.py: one phase of a checkpointed run on
+``world`` gloo ranks (spawned by torch.multiprocessing)."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_utils import batches, small_gpt, unit_bytes  # noqa: E402
+from zero_worker import _init  # noqa: E402
+
+import infinity  # noqa: E402
+
+GLOBAL_BATCH = 4  # split over the ranks: the same global batch at any world size
+
+
+def phase(rank: int, world: int, rdzv: str, cases: list, out_dir: str, which: str, k: int) -> None:
+    """``which``: "full" (2k steps), "first" (k steps, then a checkpoint) or
+    "rest" (the checkpoint loaded, then steps k..2k). Each case (stage,
+    params, opt, name) writes ``{name}-{which}.pt`` from rank 0: the losses
+    (averaged over ranks) and the full state dict."""
+    torch.set_num_threads(1)
+    _init(rank, world, rdzv)
+    try:
+        for case in cases:
+            _run_case(rank, world, case, out_dir, which, k)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_case(rank, world, case, out_dir, which, k) -> None:
+    name = case["name"]
+    params = case.get("params", "host")
+    dev = 64 << 20 if params == "none" else 8 * unit_bytes(small_gpt())
+    cfg = infinity.Config(device="cpu", dtype="fp32", device_memory=dev, host_memory="256MiB",
+                          zero_stage=case["stage"], offload_params=params, offload_optimizer=case.get("opt", "host"),
+                          overlap=case.get("overlap", "step"),
+                          swap_paths=[os.path.join(out_dir, f"swap-{name}-{which}")])
+    model, opt = infinity.initialize(small_gpt(), cfg, lr=1e-3, weight_decay=0.1)
+    data = batches(2 * k, seed=0, b=GLOBAL_BATCH)
+    ck = os.path.join(out_dir, f"ck-{name}")
+    start = infinity.load_checkpoint(ck, model, opt)["next"] if which == "rest" else 0
+    end = k if which == "first" else 2 * k
+    losses = []
+    for step in range(start, end):
+        x, y = data[step]
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([loss.item()])
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    if which == "first":
+        infinity.save_checkpoint(ck, model, opt, extra={"next": k})
+    full = infinity.full_state_dict(model)  # collective
+    if rank == 0:
+        torch.save({"losses": losses, "state": full}, os.path.join(out_dir, f"{name}-{which}.pt"))
+    infinity.close(model)
