@@ -9,8 +9,8 @@ AdamW and ZeRO stages 1-3. See docs/architecture.md.
 
 from . import native, optim
 from .api import close, full_state_dict, initialize, stats
-from .checkpoint import (CheckpointSpaceError, CorruptCheckpointError, load_checkpoint, save_checkpoint,
-                         verify_checkpoint)
+from .checkpoint import (CheckpointSpaceError, CorruptCheckpointError, export_pretrained, load_checkpoint,
+                         save_checkpoint, verify_checkpoint)
 from .config import Config
 from .engine.faults import EngineFailedError
 from .engine.tiers import BudgetError
@@ -22,4 +22,4 @@ __version__ = "0.1.0"
 
 __all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "full_state_dict", "BudgetError",
            "EngineFailedError", "init", "load_pretrained", "close", "save_checkpoint", "load_checkpoint",
-           "verify_checkpoint", "CorruptCheckpointError", "CheckpointSpaceError", "__version__"]
+           "verify_checkpoint", "export_pretrained", "CorruptCheckpointError", "CheckpointSpaceError", "__version__"]

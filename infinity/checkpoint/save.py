@@ -85,6 +85,10 @@ def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optiona
     step = plan.step if step is None else int(step)
     root = os.path.abspath(os.fspath(path))
     meta = _manifest_head(eng, optimizer, plan, lr_scheduler, extra, step, exclude_frozen)
+    hf = getattr(model, "config", None)
+    if hf is not None and hasattr(hf, "to_json_string"):  # a Hugging Face model: consolidate writes config.json
+        import json
+        meta["hf_config"] = json.loads(hf.to_json_string())
     writer = eng.sharding.rank == 0
     partial = layout.partial_dir(root, step)
     if writer:

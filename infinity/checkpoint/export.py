@@ -1,0 +1,146 @@
+"""Weights in the Hugging Face layout: ``model-0000x-of-0000y.safetensors``
+shards and ``model.safetensors.index.json`` (plus ``config.json`` for a
+Hugging Face model), so ``from_pretrained(out_dir)`` loads a model trained
+through infinity.
+
+``export_pretrained`` streams a live model's weights out of the tiers unit by
+unit; ``consolidate`` converts a checkpoint's weights one tensor at a time.
+Either holds at most one unit's buffer (one tensor for ``consolidate``) plus
+the writer's buffer. Files are written into ``out_dir/.export.partial`` and
+moved into ``out_dir`` once all are complete, the index last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..config import parse_bytes
+from . import layout
+from .load import _Files, read_manifest
+from .safetensors_io import ShardWriter
+
+__all__ = ["export_pretrained", "consolidate", "INDEX_NAME"]
+
+INDEX_NAME = "model.safetensors.index.json"
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _target(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+
+Source = Tuple[str, torch.dtype, Tuple[int, ...], Callable[[], torch.Tensor]]
+
+
+def _write_hf(out_dir: str, items: Sequence[Source], dtype: torch.dtype, max_shard_size, config_json) -> List[str]:
+    """Writes ``items`` (name, stored dtype, shape, source) as HF shards; returns the files."""
+    limit = parse_bytes(max_shard_size, "max_shard_size")
+    entries = [(n, dtype if d.is_floating_point else d, s, src) for n, d, s, src in items]
+    shards, cur, size = [], [], 0
+    for e in entries:
+        n = _nbytes(e[1], e[2])
+        if cur and size + n > limit:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        size += n
+    shards = shards + [cur] if cur or not shards else shards
+    os.makedirs(out_dir, exist_ok=True)
+    part = os.path.join(out_dir, ".export.partial")
+    shutil.rmtree(part, ignore_errors=True)
+    os.mkdir(part, 0o755)
+    try:
+        names, weight_map, total = [], {}, 0
+        for k, shard in enumerate(shards):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            w = ShardWriter(os.path.join(part, fname), [(n, d, s) for n, d, s, _ in shard], {"format": "pt"})
+            try:
+                for n, d, _, src in shard:
+                    w.write(n, _cast(src(), d))
+                    weight_map[n] = fname
+                w.close()
+            finally:
+                w.abort()
+            total += w.nbytes - w.data_start
+            names.append(fname)
+        if config_json is not None:
+            with open(os.path.join(part, "config.json"), "w") as f:
+                f.write(config_json)
+        for fname in names + (["config.json"] if config_json is not None else []):
+            os.replace(os.path.join(part, fname), os.path.join(out_dir, fname))
+        if len(names) > 1:
+            layout.write_json_atomic(os.path.join(out_dir, INDEX_NAME),
+                                     {"metadata": {"total_size": total}, "weight_map": weight_map})
+        layout.fsync_dir(out_dir)
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    return names
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def _hf_config(model) -> Optional[str]:
+    cfg = getattr(model, "config", None)
+    return cfg.to_json_string() if cfg is not None and hasattr(cfg, "to_json_string") else None
+
+
+def export_pretrained(model, out_dir, *, dtype: Union[str, torch.dtype] = "bf16",
+                      max_shard_size: Union[int, str] = "5GB") -> List[str]:
+    """Writes ``model``'s weights (from infinity.initialize; the fp32 masters
+    cast to ``dtype``, frozen parameters from their compute copies, persistent
+    buffers as they are) to ``out_dir`` in the Hugging Face layout, with
+    ``config.json`` when the model has a Hugging Face config; shards of at
+    most ``max_shard_size`` bytes. Every rank calls it under ZeRO; rank 0
+    writes. Returns the shard file names."""
+    from ..api import engine_of
+    from .plan import plan_checkpoint
+    eng = engine_of(model)
+    eng.optimizer.flush()
+    eng.faults.check("infinity.export_pretrained()")
+    plan = plan_checkpoint(model, eng)
+    target = _target(dtype)
+    if eng.sharding.rank != 0:  # the reads are collectives: take part, write nothing
+        for _, _, _, src in plan.model_items:
+            src()
+        plan.reader.done()
+        return []
+    try:
+        return _write_hf(os.fspath(out_dir), plan.model_items, target, max_shard_size, _hf_config(model))
+    finally:
+        plan.reader.done()
+
+
+def consolidate(checkpoint, out_dir, *, dtype: Union[str, torch.dtype] = "bf16",
+                max_shard_size: Union[int, str] = "5GB") -> List[str]:
+    """Converts the weights of the checkpoint at ``checkpoint`` (or the newest
+    under it) to the Hugging Face layout in ``out_dir``, one tensor in memory
+    at a time (no model, no engine); ``config.json`` too when the checkpoint
+    was saved from a Hugging Face model. Returns the shard file names."""
+    ckpt = layout.resolve(checkpoint)
+    m = read_manifest(ckpt)
+    recs = sorted(((n, r) for n, r in m["tensors"].items() if not n.startswith(("exp_avg.", "exp_avg_sq."))),
+                  key=lambda nr: (nr[1]["file"], nr[1]["offset"]))
+    with _Files(ckpt) as files:
+        items = [(n, getattr(torch, r["dtype"]), tuple(r["shape"]),
+                  lambda r=r: files.read(r, getattr(torch, r["dtype"]), r["shape"])) for n, r in recs]
+        cfg = m.get("hf_config")
+        return _write_hf(os.fspath(out_dir), items, _target(dtype), max_shard_size,
+                         json.dumps(cfg, indent=2) if cfg is not None else None)

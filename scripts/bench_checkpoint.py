@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""save_checkpoint / load_checkpoint against the disk's raw bandwidth,
+torch.save and torch.distributed.checkpoint, in one run.
+
+For a GPT-style model trained one step through infinity, with its state on
+the host and on NVMe: the time of ``save_checkpoint`` and of
+``load_checkpoint`` (page cache dropped for the checkpoint's files first, so
+the disk is measured), as GB/s of checkpoint bytes; raw O_DIRECT write and
+read bandwidth of the same folder (a thread pool of pwrite/pread, 8 MiB
+blocks, 8 deep); ``torch.save`` of ``full_state_dict`` + the optimizer's
+state dict and ``torch.distributed.checkpoint.save`` of the same tensors
+(their time includes building those tensors, which infinity's streaming
+avoids); peak RSS growth during save and load (VmHWM reset through
+/proc/self/clear_refs). Targets: save and load >= 0.8x raw; >= 2x
+torch.save and DCP; peak RSS growth <= host_memory + staging.
+
+Usage: python scripts/bench_checkpoint.py [--layers 12 --embd 1024] [--dir ./infinity-bench-ckpt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import infinity  # noqa: E402
+from infinity.models import GPT, GPTConfig  # noqa: E402
+
+BLOCK, DEPTH = 8 << 20, 8
+
+
+def rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+
+def reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def drop_cache(folder: str) -> None:
+    """Evicts ``folder``'s files from the page cache (so a read measures the disk)."""
+    for d, _, files in os.walk(folder):
+        for n in files:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                os.fsync(fd) if os.access(os.path.join(d, n), os.W_OK) else None
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def raw_bandwidth(folder: str, nbytes: int) -> tuple:
+    """(write, read) GB/s of O_DIRECT pwrite/pread of ``nbytes`` in ``folder``."""
+    path = os.path.join(folder, "raw.bin")
+    nbytes = max(BLOCK, nbytes // BLOCK * BLOCK)
+    mem = mmap.mmap(-1, DEPTH * BLOCK)
+    mem.write(os.urandom(1 << 20) * (DEPTH * BLOCK >> 20))
+    bufs = [memoryview(mem)[i * BLOCK:(i + 1) * BLOCK] for i in range(DEPTH)]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    os.posix_fallocate(fd, 0, nbytes)
+    out = []
+    for op in ("write", "read"):
+        jobs = [(off, bufs[i % DEPTH]) for i, off in enumerate(range(0, nbytes, BLOCK))]
+        t = time.perf_counter()
+        with ThreadPoolExecutor(DEPTH) as ex:
+            list(ex.map((lambda j: os.pwrite(fd, j[1], j[0])) if op == "write" else
+                        (lambda j: os.preadv(fd, [j[1]], j[0])), jobs))
+        if op == "write":
+            os.fsync(fd)
+        out.append(nbytes / (time.perf_counter() - t) / 1e9)
+    os.close(fd)
+    os.unlink(path)
+    del bufs  # the views go before the mapping
+    mem.close()
+    return tuple(out)
+
+
+def build(args, placement: str, swap: str):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=8192, block_size=128, n_layer=args.layers, n_head=16, n_embd=args.embd))
+    cfg = infinity.Config(device="cpu", dtype="bf16", offload_params=placement, offload_optimizer=placement,
+                          host_memory=args.host, device_memory="256MiB", swap_paths=[swap])
+    m, o = infinity.initialize(model, cfg, lr=1e-4)
+    ids = torch.randint(0, 8192, (2, 129))
+    m(ids[:, :-1], ids[:, 1:]).backward()
+    o.step()
+    o.zero_grad()
+    return m, o, cfg
+
+
+def timed(fn):
+    reset_peak()
+    base = rss("VmRSS")
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t, rss("VmHWM") - base
+
+
+def bench_placement(args, placement: str, root: str) -> dict:
+    m, o, cfg = build(args, placement, os.path.join(root, f"swap-{placement}"))
+    ck = os.path.join(root, f"ck-{placement}")
+    path, t_save, rss_save = timed(lambda: infinity.save_checkpoint(ck, m, o))
+    nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    drop_cache(ck)
+    _, t_load, rss_load = timed(lambda: infinity.load_checkpoint(ck, m, o))
+    res = {"placement": placement, "bytes": nbytes, "save_s": t_save, "load_s": t_load,
+           "save_rss": rss_save, "load_rss": rss_load, "host_memory": cfg.host_memory}
+    if not args.no_baselines:
+        res.update(baselines(m, o, root, placement))
+    infinity.close(m)
+    shutil.rmtree(ck, ignore_errors=True)
+    return res
+
+
+def baselines(m, o, root: str, placement: str) -> dict:
+    """torch.save and DCP of the same state (full tensors built first, as they need)."""
+    import torch.distributed.checkpoint as dcp
+    out = {}
+    p = os.path.join(root, f"torch-{placement}.pt")
+
+    def tsave():
+        torch.save({"model": infinity.full_state_dict(m), "optim": o.state_dict()}, p)
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    _, out["torch_save_s"], _ = timed(tsave)
+    drop_cache(root)
+    _, out["torch_load_s"], _ = timed(lambda: torch.load(p, weights_only=True))
+    os.unlink(p)
+    d = os.path.join(root, f"dcp-{placement}")
+
+    def dsave():
+        sd = {"model": infinity.full_state_dict(m), "optim": o.state_dict()["state"]}
+        dcp.save(sd, checkpoint_id=d)
+    _, out["dcp_save_s"], _ = timed(dsave)
+    shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def report(raw, rows) -> bool:
+    ok = True
+    print(f"raw O_DIRECT: write {raw[0]:.2f} GB/s, read {raw[1]:.2f} GB/s ({BLOCK >> 20} MiB blocks, {DEPTH} deep)")
+    for r in rows:
+        gb = r["bytes"] / 1e9
+        sw, lr = gb / r["save_s"], gb / r["load_s"]
+        print(f"\n[{r['placement']}] checkpoint {gb:.2f} GB")
+        print(f"  save_checkpoint {r['save_s']:6.2f} s = {sw:.2f} GB/s = {sw / raw[0]:.2f}x raw write;"
+              f" peak RSS +{r['save_rss'] / 2**20:.0f} MiB (host_memory {r['host_memory'] / 2**20:.0f} MiB)")
+        print(f"  load_checkpoint {r['load_s']:6.2f} s = {lr:.2f} GB/s = {lr / raw[1]:.2f}x raw read;"
+              f" peak RSS +{r['load_rss'] / 2**20:.0f} MiB")
+        ok &= sw / raw[0] >= 0.8 and lr / raw[1] >= 0.8
+        for k, base in (("torch_save_s", r["save_s"]), ("dcp_save_s", r["save_s"]), ("torch_load_s", r["load_s"])):
+            if k in r:
+                print(f"  {k[:-2]:11s} {r[k]:6.2f} s: infinity is {r[k] / base:.2f}x faster")
+                ok &= r[k] / base >= 2.0
+    print("\nall targets met" if ok else "\nsome targets missed (see the ratios above)")
+    return ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--embd", type=int, default=1024)
+    ap.add_argument("--host", default="2GiB")
+    ap.add_argument("--dir", default="infinity-bench-ckpt")
+    ap.add_argument("--placements", default="host,nvme")
+    ap.add_argument("--no-baselines", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    root = os.path.abspath(args.dir)
+    try:
+        rows = [bench_placement(args, p, root) for p in args.placements.split(",")]
+        raw = raw_bandwidth(root, max(r["bytes"] for r in rows))
+        sys.exit(0 if report(raw, rows) else 1)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
