@@ -210,3 +210,37 @@ def test_save_in_the_middle_of_an_accumulation_window_is_refused(tmp_path):
     o.step()
     infinity.save_checkpoint(tmp_path / "ck", m, o)
     infinity.close(m)
+
+
+def test_exclude_frozen_saves_only_the_trainable_part_and_resumes(tmp_path):
+    """An adapter on a frozen offloaded base: the checkpoint holds only the
+    trainable parameters and their state; the base comes from its own init."""
+    def frozen_model():
+        m = model()
+        for p in list(m.blocks[0].parameters()) + list(m.blocks[2].parameters()):
+            p.requires_grad_(False)
+        return m
+
+    def run(tag):
+        cfg = infinity.Config(**base_config(offload_params="nvme", offload_optimizer="nvme", device_memory=1 << 20,
+                                            swap_paths=[str(tmp_path / f"swap-{tag}")], swap_block_size=4096))
+        return infinity.initialize(frozen_model(), cfg, lr=1e-2)
+
+    batches = data(6)
+    m, o = run("ref")
+    ref = train(m, o, None, batches)
+    infinity.close(m)
+    m, o = run("a")
+    first = train(m, o, None, batches[:3])
+    path = infinity.save_checkpoint(tmp_path / "ck", m, o, exclude_frozen=True)
+    infinity.close(m)
+    from safetensors import safe_open
+    with safe_open(str(path / "model-00001-of-00001.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    frozen = {n for n, p in frozen_model().named_parameters() if not p.requires_grad}
+    assert frozen and not saved & frozen and saved
+    m, o = run("b")
+    infinity.load_checkpoint(tmp_path / "ck", m, o)
+    rest = train(m, o, None, batches[3:])
+    infinity.close(m)
+    assert first + rest == ref
