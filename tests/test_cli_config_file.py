@@ -79,3 +79,11 @@ def test_every_field_is_documented():
     missing = sorted(fields - documented)
     assert not missing, f"Config fields missing from docs/config.md's table: {missing}"
     assert len(fields) > 20
+
+
+def test_every_run_file_key_is_documented():
+    from infinity.cli.runfile import _SECTIONS
+    text = (DOCS.parent / "cli.md").read_text()
+    missing = [f"{name}.{f.name}" for name, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
+               if f"`{name}.{f.name}`" not in text]
+    assert not missing, f"run-file keys missing from docs/cli.md: {missing}"
