@@ -12,6 +12,7 @@ removed at the end.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -38,27 +39,30 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def nvme_need(config_path: str) -> tuple:
-    """``(Config, bytes on NVMe)`` of a run file or DeepSpeed JSON: per
-    parameter 16 bytes (fp32 master, gradient, two moments) with
-    ``offload_optimizer="nvme"`` plus the compute copy with ``offload_params="nvme"``."""
+def load_for_estimate(config_path: str) -> tuple:
+    """``(Config, model on the meta device)`` of a run file or DeepSpeed JSON
+    (whose model is the run file default, the tiny GPT). The data file is
+    only read for its vocabulary, when it exists."""
+    from ..deepspeed import is_deepspeed
+    from .data import open_tokens
+    from .model import build_model
     from .runfile import load_run_file
     data = read_file(config_path)
-    from ..deepspeed import is_deepspeed
-    if is_deepspeed(data):
-        return Config.from_deepspeed(config_path), None
-    run = load_run_file(config_path, {"data.path": "-"}) if "data" not in data else load_run_file(config_path)
-    n = _param_count(run)
-    c = run.config
-    per = (16 if c.offload_optimizer == "nvme" else 0) + (c.torch_dtype.itemsize if c.offload_params == "nvme" else 0)
-    return c, n * per
-
-
-def _param_count(run) -> int:
-    from .model import build_model
+    no_data = is_deepspeed(data) or "data" not in data
+    run = load_run_file(config_path, {"data.path": "-"} if no_data else None)
+    d = run.data
+    vocab = open_tokens(d.path, d.format, d.dtype)[1] if os.path.isfile(d.path) else 256
     with torch.device("meta"):
-        model, _, _ = build_model(run.model, run.config, run.data.seq_len, 256, 0)
-    return sum(p.numel() for p in model.parameters())
+        model, _, _ = build_model(run.model, run.config, d.seq_len, vocab, 0)
+    return run.config, model
+
+
+def nvme_need(config_path: str) -> tuple:
+    """``(Config, bytes of swap files over all paths)`` of a run file or
+    DeepSpeed JSON, from ``infinity estimate``'s placement arithmetic."""
+    from .estimate import estimate
+    config, model = load_for_estimate(config_path)
+    return config, estimate(model, config)["nvme"]["capacity"]
 
 
 def diagnose_path(path: str, need: Optional[int], probe_bytes: int, block_size: int) -> List[Check]:
