@@ -3,6 +3,7 @@ a read-only filesystem, tmpfs, a disk too small, a locked path, a CONFIG's need.
 
 import errno
 import os
+import subprocess
 import time
 
 import pytest
@@ -51,6 +52,26 @@ def test_parent_is_a_file_fails(tmp_path, capsys):
     assert cli("doctor", "--swap-path", p, *FAST) == 1
     out = capsys.readouterr().out
     assert _status(out, p, "path") == "FAIL" and "is not a directory" in out and "fixes:" in out
+
+
+def test_read_only_bind_mount_fails(tmp_path, capsys):
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    ro.mkdir()
+    made = subprocess.run(["mount", "--bind", str(src), str(ro)], capture_output=True).returncode == 0
+    if made and subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode:
+        subprocess.run(["umount", str(ro)])
+        made = False
+    if not made:
+        pytest.skip("cannot make a read-only bind mount here (needs root with CAP_SYS_ADMIN); "
+                    "test_read_only_filesystem_fails covers the check with a patched statvfs")
+    try:
+        assert cli("doctor", "--swap-path", ro / "swap", *FAST) == 1
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    out = capsys.readouterr().out
+    assert _status(out, ro / "swap", "writable") == "FAIL" and "read-only filesystem" in out
+    assert "mount -o remount,rw" in out
 
 
 def test_read_only_filesystem_fails(tmp_path, capsys, monkeypatch):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import infinity
+import infinity.cli
 from cli_utils import cli, corpus, run_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,3 +142,33 @@ def test_python_dash_m_and_checkpoint_subcommands(tmp_path):
     r = subprocess.run([sys.executable, "-m", "infinity", "verify", str(tmp_path)], env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and "needs infinity.verify_checkpoint (issue 19)" in r.stderr
+
+
+def test_every_subcommand_has_help_and_the_console_script_resolves(capsys):
+    import importlib
+    import tomllib
+    for cmd in ("train", "doctor", "report", "estimate", "consolidate", "verify"):
+        assert cli(cmd, "--help") == 0, cmd
+        assert "usage: infinity " + cmd in capsys.readouterr().out
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    mod, _, fn = scripts["infinity"].partition(":")
+    assert getattr(importlib.import_module(mod), fn) is infinity.cli.main
+
+
+def test_weights_are_loaded_through_load_pretrained(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from infinity.models import GPT, GPTConfig
+    p = run_file(tmp_path, steps=1, extra="[optimizer]\nlr = 0.0")
+    torch.manual_seed(123)  # other weights than the run's seed gives
+    ref = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    state = {k: v for k, v in ref.state_dict().items() if k != "head.weight"}  # tied to wte
+    save_file(state, str(tmp_path / "w.safetensors"))
+    p.write_text(p.read_text().replace('size = "tiny"', 'size = "tiny"\nweights = "w.safetensors"'))
+    assert cli("train", p) == 0
+    loss = _metrics(tmp_path)[0]["loss"]
+    from infinity.cli.data import Sampler, open_tokens
+    x, y = Sampler(open_tokens(str(tmp_path / "corpus.txt"))[0], 32, 4, 0).next_batch()
+    with torch.no_grad():
+        assert loss == pytest.approx(float(ref(x, y)), rel=1e-4)

@@ -43,6 +43,12 @@ def nearest_existing(path: str) -> str:
 def check_path(path: str) -> Tuple[List[Check], Optional[str]]:
     """Rows for existence/creatability, and the directory probes may use (None: none)."""
     p = os.path.abspath(path)
+    anc = nearest_existing(p)
+    if os.path.isdir(anc) and os.statvfs(anc).f_flag & os.ST_RDONLY:
+        # Before access(): it reports a read-only mount as "not writable".
+        mp = mount_of(anc)[0]
+        return [Check(path, "writable", FAIL, f"'{anc}' is on a read-only filesystem ({mp})",
+                      f"remount it read-write (mount -o remount,rw {mp}) or choose another swap path")], None
     if os.path.isdir(p):
         ok = os.access(p, os.W_OK | os.X_OK)
         return [Check(path, "path", OK if ok else FAIL, "exists" + ("" if ok else ", not writable by this user"),
@@ -50,7 +56,6 @@ def check_path(path: str) -> Tuple[List[Check], Optional[str]]:
     if os.path.exists(p):
         return [Check(path, "path", FAIL, "exists and is not a directory",
                       f"remove '{p}' or choose another swap path")], None
-    anc = nearest_existing(p)
     if not os.path.isdir(anc):
         return [Check(path, "path", FAIL, f"cannot be created: '{anc}' is not a directory",
                       f"remove '{anc}' or choose another swap path")], None
