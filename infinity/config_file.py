@@ -116,5 +116,10 @@ def config_from_file(path: str, section: Optional[str] = None) -> Config:
         if section not in data:
             raise ConfigFileError(f"{path}: no '{section}' table{nearest(section, data)}")
         return config_from_mapping(data[section], str(path), section)
+    from .deepspeed import is_deepspeed
+    if is_deepspeed(data):
+        raise ConfigFileError(f"{path}: this is a DeepSpeed config (it has "
+                              f"{[k for k in data if k in ('zero_optimization', 'fp16', 'bf16')] or list(data)[:3]}); "
+                              "read it with Config.from_deepspeed(path), which reports what each key became")
     table, prefix = runtime_table(data, str(path))
     return config_from_mapping(table, str(path), prefix)

@@ -63,6 +63,14 @@ def test_misspelled_section_and_bad_syntax(tmp_path):
         Config.from_file(str(tmp_path / "missing.toml"))
 
 
+def test_deepspeed_file_points_to_from_deepspeed(tmp_path):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": 8}))
+    with pytest.raises(ConfigFileError, match="DeepSpeed config.*Config.from_deepspeed"):
+        Config.from_file(str(p))
+    assert Config.from_deepspeed(str(p)).zero_stage == 2
+
+
 def test_to_dict_round_trip_through_json(tmp_path):
     c = Config(device="cpu", dtype="fp16", host_memory="3GiB", offload_optimizer="nvme", offload_params="nvme",
                swap_paths=[str(tmp_path)], unit_classes=["Block"], loss_scale=128.0, prefetch_bytes="64MiB")
