@@ -172,3 +172,15 @@ def test_weights_are_loaded_through_load_pretrained(tmp_path):
     x, y = Sampler(open_tokens(str(tmp_path / "corpus.txt"))[0], 32, 4, 0).next_batch()
     with torch.no_grad():
         assert loss == pytest.approx(float(ref(x, y)), rel=1e-4)
+
+
+def test_progress_shows_tiers_against_budgets_and_a_summary(tmp_path, capsys):
+    p = run_file(tmp_path, steps=2, runtime='offload_params = "nvme"\noffload_optimizer = "nvme"\n'
+                 'host_memory = "64MiB"')
+    p.write_text(p.read_text().replace("progress = false", "progress = true"))
+    assert cli("train", p) == 0
+    err = capsys.readouterr().err
+    assert "2/2" in err and "tok/s" in err and "s/step" in err  # the tqdm bar
+    assert "host " in err and "/64.00 MiB" in err and "nvme " in err
+    rows = _metrics(tmp_path)
+    assert f"infinity train: step 2, loss {rows[0]['loss']:.4f} -> {rows[1]['loss']:.4f}," in err

@@ -145,7 +145,7 @@ def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn,
     accum = d.grad_accumulation
     metrics = Metrics(runf.log.metrics, runf.log.every, runf.train.steps, start,
                       d.micro_batch * d.seq_len * accum, runf.log.progress)
-    step = start
+    step, recs = start, []
     try:
         with _Interrupt() as stop:
             while step < runf.train.steps and not stop.hit:
@@ -161,7 +161,8 @@ def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn,
                 if scheduler is not None:
                     scheduler.step()
                 step += 1
-                metrics.record(step, total, lr, infinity.stats(model))
+                rec = metrics.record(step, total, lr, infinity.stats(model))
+                recs = [recs[0] if recs else rec, rec]  # the first and the latest
                 if ck.dir and ck.every and step % ck.every == 0:
                     _save(runf, model, optimizer, scheduler, step, sampler)
             if ck.dir and (stop.hit or not ck.every or step % ck.every):
@@ -169,8 +170,16 @@ def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn,
             interrupted = stop.hit
     finally:
         metrics.close()
+    if recs:
+        _summary(recs[0], recs[-1])
     if interrupted:
         print(f"infinity train: interrupted after step {step}" + (f"; checkpoint in {ck.dir}" if ck.dir else ""),
               file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _summary(first: Dict[str, Any], last: Dict[str, Any]) -> None:
+    """One line on stderr: steps, loss first -> last, time, and each tier's peak against its budget."""
+    print(f"infinity train: step {last['step']}, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+          f"{last['elapsed_s']:.1f} s; " + Metrics.postfix(last).split(" s/step ", 1)[-1], file=sys.stderr)
