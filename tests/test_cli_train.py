@@ -51,19 +51,23 @@ def test_train_hf_llama_from_config_dir(tmp_path):
     assert len(rows) == 3 and rows[0]["loss"] == pytest.approx(5.55, abs=0.3)  # ~ln(256) at the start
 
 
-def test_train_deepspeed_json(tmp_path):
+def test_train_deepspeed_json(tmp_path, capsys):
     corpus(tmp_path)
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
                                                        "warmup_num_steps": 2, "warmup_type": "linear"}},
-          "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}
+          "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"},
+                                "stage3_prefetch_bucket_size": "auto"}}
     p = tmp_path / "ds.json"
     p.write_text(json.dumps(ds))
     assert cli("train", p, "--data", tmp_path / "corpus.txt", "--steps", 3, "--no-progress",
                "--metrics", tmp_path / "out" / "metrics.jsonl") == 0
     rows = _metrics(tmp_path)
     assert [r["lr"] for r in rows] == pytest.approx([0.0, 5e-4, 1e-3])
+    err = capsys.readouterr().err
+    # the report, with "auto" resolved from the model (the tiny GPT: 0.9 x 64^2 elements of fp32)
+    assert f"prefetch_bytes={int(0.9 * 64 * 64) * 4}" in err and "defaults gradient_clipping" not in err
 
 
 def test_checkpoint_absent_is_a_clear_error(tmp_path, monkeypatch, capsys):

@@ -17,6 +17,7 @@ import torch
 
 import infinity
 
+from ..config import Config
 from ..schedules import Schedule
 from .common import CLIError, checkpoint_api
 from .data import Sampler, open_tokens
@@ -94,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
         if not resume_dir:
             raise CLIError("--resume needs a directory: give --resume DIR or checkpoint.dir in the run file")
         checkpoint_api("load_checkpoint")
-    if runf.deepspeed_report is not None:
-        print(runf.deepspeed_report.text(), file=sys.stderr)
     return _train(runf, resume_dir)
 
 
@@ -108,6 +107,11 @@ def _setup(runf: RunFile):
     tokens, vocab_hint = open_tokens(d.path, d.format, d.dtype)
     model, loss_fn, vocab = build_model(runf.model, runf.config, d.seq_len, vocab_hint, runf.train.seed)
     sampler = Sampler(tokens, d.seq_len, d.micro_batch, d.seed, vocab)
+    if runf.deepspeed_report is not None:
+        # Again with the model: its "auto" sizes (stage3_prefetch_bucket_size) resolve from it.
+        runf.config = Config.from_deepspeed(runf.source, model=model)
+        runf.deepspeed_report = runf.config.report
+        print(runf.deepspeed_report.text(), file=sys.stderr)
     o = runf.optimizer
     groups = param_groups(model, o.weight_decay, o.no_decay_norm_and_bias)
     model, optimizer = infinity.initialize(model, runf.config, param_groups=groups, lr=o.lr, betas=tuple(o.betas),
