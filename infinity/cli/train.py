@@ -19,7 +19,7 @@ import infinity
 
 from ..config import Config
 from ..schedules import Schedule
-from .common import CLIError, checkpoint_api
+from .common import CLIError, UsageError, checkpoint_api
 from .data import Sampler, open_tokens
 from .metrics import Metrics
 from .model import build_model, param_groups
@@ -59,7 +59,8 @@ def _schedule(run: RunFile) -> Optional[Schedule]:
         return None
     total = run.train.steps if s.decay != "constant" else None
     if total is not None and total <= s.warmup_steps:
-        raise CLIError(f"{run.source}: 'schedule.warmup_steps'={s.warmup_steps} must be below train.steps={total}")
+        raise UsageError(f"{run.source}: 'schedule.warmup_steps'={s.warmup_steps} must be below "
+                         f"train.steps={total}")
     return Schedule(s.decay, s.warmup_steps, s.warmup_type, 0.0, total, s.min_lr_ratio)
 
 
