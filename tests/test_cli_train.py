@@ -150,7 +150,10 @@ def test_python_dash_m_and_checkpoint_subcommands(tmp_path):
 
 def test_every_subcommand_has_help_and_the_console_script_resolves(capsys):
     import importlib
-    import tomllib
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        import tomli as tomllib
     for cmd in ("train", "doctor", "report", "estimate", "consolidate", "verify"):
         assert cli(cmd, "--help") == 0, cmd
         assert "usage: infinity " + cmd in capsys.readouterr().out
