@@ -274,8 +274,26 @@ class Config:
                                  "device(s) here")
         return d
 
+    @classmethod
+    def from_file(cls, path: str) -> "Config":
+        """The Config of a TOML or JSON file: the ``runtime`` table of a run
+        file (docs/cli.md) or a flat table of fields. Errors name the file, the
+        key path and the valid choices (:class:`infinity.config_file.ConfigFileError`)."""
+        from .config_file import config_from_file
+        return config_from_file(path)
+
+    @classmethod
+    def from_deepspeed(cls, config: Any, model: Any = None) -> "Config":
+        """A Config from a DeepSpeed config (a JSON path or a dict); the result's
+        ``.report`` (:class:`infinity.deepspeed.DeepSpeedReport`) holds the optimizer
+        and scheduler settings, batch sizes and every key ignored, with why.
+        ``model`` resolves ``"auto"`` values. See docs/cli.md."""
+        from .deepspeed import from_deepspeed
+        return from_deepspeed(config, model)
+
     def to_dict(self) -> dict:
-        """The config as a plain dict (for logs and checkpoints)."""
+        """The config as a plain dict (for logs and checkpoints); ``Config(**d)``
+        gives it back."""
         d = dataclasses.asdict(self)
         if d["unit_classes"] is not None:
             d["unit_classes"] = [c if isinstance(c, str) else c.__name__ for c in d["unit_classes"]]

@@ -20,6 +20,7 @@ if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
   "$vpy" -m pip install -q "$torch_spec"
 fi
 echo "[setup] building and installing infinity (native library via CMake)"
-"$vpy" -m pip install -q scikit-build-core cmake ninja pytest numpy "transformers==5.24.0"
+# matplotlib: `infinity report` and its test (the package's `plot` extra); tqdm, psutil: `infinity train`
+"$vpy" -m pip install -q scikit-build-core cmake ninja pytest numpy "transformers==5.24.0" matplotlib tqdm psutil
 "$vpy" -m pip install -q --no-build-isolation "$root"
 "$vpy" -c "import infinity, json; print('[setup] infinity.native.info():', json.dumps(infinity.native.info()))"

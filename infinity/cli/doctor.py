@@ -1,0 +1,127 @@
+"""``infinity doctor [--swap-path P ...] [CONFIG]``: checks each swap path
+(exists or can be created, filesystem, O_DIRECT and alignment, free space
+against the run's need, read/write bandwidth, lock) and the system (memlock
+limit and pinning, native library and SIMD level, io_uring, CUDA). Prints a
+table of OK/WARN/FAIL with a fix per problem; exit status 1 on any FAIL.
+
+Nothing is left behind: the probes run in a temporary directory made in the
+swap path (or, when it is missing, in its nearest existing parent) and
+removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, List, Optional
+
+import torch
+
+from ..config import Config, format_bytes, parse_bytes
+from ..config_file import read_file
+from .common import UsageError
+from .doctor_checks import FAIL, OK, WARN, Check, check_bandwidth, check_cuda, check_direct, check_fs, \
+    check_lock, check_memlock, check_native, check_path, check_space
+
+PROBE_BYTES = 64 << 20
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("doctor", help="check swap paths and the system before a run", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", help="run file or DeepSpeed JSON: its swap paths and NVMe need")
+    p.add_argument("--swap-path", action="append", default=[], metavar="P", help="a swap path (repeatable)")
+    p.add_argument("--need", help="bytes the run puts on NVMe in all (e.g. 200GiB), shared by the paths")
+    p.add_argument("--probe-bytes", default=str(PROBE_BYTES), help="bandwidth probe size (default 64MiB)")
+    p.set_defaults(run=run)
+
+
+def load_for_estimate(config_path: str) -> tuple:
+    """``(Config, model on the meta device)`` of a run file or DeepSpeed JSON
+    (whose model is the run file default, the tiny GPT). The data file is
+    only read for its vocabulary, when it exists."""
+    from ..deepspeed import is_deepspeed
+    from .data import open_tokens
+    from .model import build_model
+    from .runfile import load_run_file
+    data = read_file(config_path)
+    no_data = is_deepspeed(data) or "data" not in data
+    run = load_run_file(config_path, {"data.path": "-"} if no_data else None)
+    d = run.data
+    vocab = open_tokens(d.path, d.format, d.dtype)[1] if os.path.isfile(d.path) else 256
+    with torch.device("meta"):
+        model, _, _ = build_model(run.model, run.config, d.seq_len, vocab, 0)
+    return run.config, model
+
+
+def nvme_need(config_path: str) -> tuple:
+    """``(Config, bytes of swap files over all paths)`` of a run file or
+    DeepSpeed JSON, from ``infinity estimate``'s placement arithmetic."""
+    from .estimate import estimate
+    config, model = load_for_estimate(config_path)
+    return config, estimate(model, config)["nvme"]["capacity"]
+
+
+def diagnose_path(path: str, need: Optional[int], probe_bytes: int, block_size: int) -> List[Check]:
+    """Every check of one swap path; the temporary probe directory is removed."""
+    rows, base = check_path(path)
+    if base is None:
+        return rows + check_lock(path)
+    rows += check_fs(path, base)
+    if any(r.status == FAIL for r in rows):
+        return rows + check_lock(path)
+    probe = tempfile.mkdtemp(prefix=".infinity-doctor-", dir=base)
+    try:
+        rows += check_direct(path, probe)
+        rows += check_space(path, base, need)
+        try:
+            rows += check_bandwidth(path, probe, probe_bytes, block_size)
+        except Exception as exc:  # noqa: BLE001 - reported as a row, the other checks still run
+            rows.append(Check(path, "bandwidth", FAIL, f"the probe failed: {exc}", "see the error"))
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    return rows + check_lock(path)
+
+
+def render(rows: List[Check]) -> str:
+    """The table: target, check, status, detail; then the fixes."""
+    w1 = max(len(r.target) for r in rows)
+    w2 = max(len(r.name) for r in rows)
+    lines = [f"{'TARGET':{w1}}  {'CHECK':{w2}}  STATUS  DETAIL"]
+    lines += [f"{r.target:{w1}}  {r.name:{w2}}  {r.status:6}  {r.detail}" for r in rows]
+    fixes = [r for r in rows if r.status != OK and r.fix]
+    if fixes:
+        lines += ["", "fixes:"] + [f"  [{r.status}] {r.target} {r.name}: {r.fix}" for r in fixes]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs every check, prints the table; 1 if any FAIL, else 0."""
+    config, need = Config(), None
+    if args.config:
+        config, need = nvme_need(args.config)
+    paths = args.swap_path or list(config.swap_paths)
+    try:
+        if args.need is not None:
+            need = parse_bytes(args.need, "--need")
+        probe = parse_bytes(args.probe_bytes, "--probe-bytes")
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+    share = None if need is None else -(-need // len(paths))
+    block = min(int(config.swap_block_size), 8 << 20)
+    rows: List[Check] = []
+    for p in paths:
+        t0 = time.perf_counter()
+        rows += diagnose_path(p, share, max(block, probe - probe % block), block)
+        rows.append(Check(p, "doctor time", OK, f"{time.perf_counter() - t0:.2f} s"))
+    host = config.host_memory if isinstance(config.host_memory, int) else None
+    rows += check_memlock(host) + check_native() + check_cuda()
+    print(render(rows))
+    fails = sum(r.status == FAIL for r in rows)
+    warns = sum(r.status == WARN for r in rows)
+    print(f"\n{fails} FAIL, {warns} WARN" + (f"; NVMe need {format_bytes(need)} over {len(paths)} path(s)"
+                                             if need else ""))
+    return 1 if fails else 0

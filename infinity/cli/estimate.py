@@ -1,0 +1,97 @@
+"""``infinity estimate RUN_FILE [--world N]``: a first estimate of the bytes
+each tier needs for a run, before any memory is touched.
+
+The model is built on the meta device and split into paging units exactly as
+``infinity.initialize`` splits it; the figures then come from the engine's
+own placement arithmetic (``infinity.engine.placement``), so they are the
+numbers ``initialize`` checks its budgets against. Not counted: activations
+and autograd's temporaries on the device, the CUDA context, the Python and
+torch runtime in host RAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..config import Config, format_bytes
+from ..engine.placement import Modes, device_need, host_need, nvme_capacity, place_unit
+from ..engine.units import build_units
+from .common import UsageError
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("estimate", help="estimate peak bytes per tier for a run file", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="run file (.toml/.json) or DeepSpeed JSON")
+    p.add_argument("--world", type=int, default=1, help="data-parallel ranks (ZeRO shares; default 1)")
+    p.set_defaults(run=run)
+
+
+def estimate(model: torch.nn.Module, config: Config, world: int = 1) -> Dict[str, Dict[str, Optional[int]]]:
+    """Bytes per tier for ``model`` (any device, meta included) under
+    ``config`` on each of ``world`` ranks: ``device`` (``minimum``: the
+    smallest device_memory that runs, ``everything``: all units resident),
+    ``host`` (``permanent`` homes, ``minimum``, ``capacity``: the most the pool
+    uses) and ``nvme`` (``capacity``: the swap files over all paths). Each
+    entry also has ``budget`` (the Config's, None when it is derived at start)."""
+    if world < 1:
+        raise UsageError(f"--world={world}: must be >= 1")
+    shards = world if config.zero_stage else 1
+    units = build_units(model, config.unit_classes, {}, shards)
+    dtype = config.torch_dtype
+    grad_dtype = (dtype if config.offload_optimizer != "none" and world == 1 and config.zero_stage == 0
+                  and config.grad_accumulation_steps == 1 else torch.float32)
+    dev = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
+    modes = Modes(dev, dtype, grad_dtype, config.offload_params, config.offload_optimizer, config.zero_stage,
+                  world, config.overlap == "delayed", config.prefetch_depth, config.grad_accumulation_steps,
+                  config.prefetch_bytes)
+    places = [place_unit(u.layout, modes) for u in units]
+    d = device_need(places, [False] * len(places), modes)
+    h = host_need(places, modes)
+    nv = nvme_capacity(h, len(units), len(config.swap_paths)) if modes.nvme_used else 0
+    host_budget = config.host_memory
+    return {
+        "device": {"minimum": d.minimum, "everything": d.everything, "budget": config.device_memory},
+        "host": {"permanent": h.permanent, "minimum": h.minimum,
+                 "capacity": min(h.capacity, host_budget) if host_budget else h.capacity, "budget": host_budget},
+        "nvme": {"capacity": nv, "per_path": -(-nv // len(config.swap_paths)) if nv else 0, "budget": None},
+        "units": {"count": len(units), "parameters": sum(p.numel() for p in model.parameters())},
+    }
+
+
+def render(est: Dict[str, Dict[str, Optional[int]]]) -> str:
+    """The estimate as a table, with what each figure means."""
+    rows = [
+        ("device", "minimum", "smallest device_memory that runs (activations not counted)"),
+        ("device", "everything", "every unit resident: a larger budget buys nothing"),
+        ("host", "permanent", "homes kept for good"),
+        ("host", "minimum", "smallest host_memory that runs"),
+        ("host", "capacity", "the most the host pool uses (budget-capped)"),
+        ("nvme", "capacity", "swap files over all paths"),
+        ("nvme", "per_path", "each swap path's share (check with `infinity doctor`)"),
+    ]
+    u = est["units"]
+    lines = [f"{u['parameters']:,} parameters in {u['count']} paging units", "",
+             f"{'TIER':7}{'FIGURE':12}{'BYTES':>16}  {'':12}MEANING"]
+    for tier, key, what in rows:
+        v = est[tier][key]
+        lines.append(f"{tier:7}{key:12}{v:>16,}  {format_bytes(v):12}{what}")
+    for tier in ("device", "host"):
+        b = est[tier]["budget"]
+        if b is not None and b < est[tier]["minimum"]:
+            lines.append(f"\n{tier} budget {format_bytes(b)} is below the minimum "
+                         f"{format_bytes(est[tier]['minimum'])}: initialize will refuse it")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints the estimate of the run file; 1 when a given budget is below a minimum."""
+    from .doctor import load_for_estimate
+    config, model = load_for_estimate(args.config)
+    est = estimate(model, config, args.world)
+    print(render(est))
+    short = any(est[t]["budget"] is not None and est[t]["budget"] < est[t]["minimum"] for t in ("device", "host"))
+    return 1 if short else 0

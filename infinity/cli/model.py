@@ -1,0 +1,88 @@
+"""The model of a run file: the built-in GPT by size, or a Hugging Face causal
+LM built from a local config.json (no download), and the loss of a batch."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import Config
+from ..config_file import ConfigFileError
+from ..models import GPT, GPTConfig
+from .runfile import ModelSection
+
+# (n_layer, n_head, n_embd) of the GPT-2 family, plus a tiny one for tests.
+SIZES = {"tiny": (2, 4, 64), "small": (12, 12, 768), "medium": (24, 16, 1024), "large": (36, 20, 1280),
+         "xl": (48, 25, 1600)}
+
+Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gpt_config(m: ModelSection, seq_len: int, vocab: int) -> GPTConfig:
+    """The GPTConfig of ``[model]``: the ``size`` preset with any overrides."""
+    if m.size not in SIZES:
+        from ..config_file import nearest
+        raise ConfigFileError(f"'model.size'={m.size!r}: choose one of {list(SIZES)}{nearest(m.size, SIZES)}")
+    n_layer, n_head, n_embd = SIZES[m.size]
+    return GPTConfig(vocab_size=m.vocab_size or vocab, block_size=m.block_size or seq_len,
+                     n_layer=m.n_layer or n_layer, n_head=m.n_head or n_head, n_embd=m.n_embd or n_embd,
+                     tie_weights=m.tie_weights, checkpoint=m.checkpoint)
+
+
+def _hf_model(m: ModelSection) -> nn.Module:
+    if not os.path.isfile(os.path.join(m.path, "config.json")):
+        raise ConfigFileError(f"'model.path': {m.path} has no config.json (a Hugging Face model directory is "
+                              "expected; nothing is downloaded)")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigFileError("'model.path' needs transformers: pip install transformers") from None
+    cfg = AutoConfig.from_pretrained(m.path, local_files_only=True)
+    return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def build_model(m: ModelSection, config: Config, seq_len: int, vocab: int, seed: int) -> Tuple[nn.Module, Loss, int]:
+    """``(model, loss_fn, vocab_size)``: the model in fp32 on the CPU (or meta
+    under ``infinity.init`` when ``model.lazy``), seeded with ``seed``."""
+    from ..lazy_init import init
+    torch.manual_seed(seed)
+    ctx = init(config) if m.lazy else contextlib.nullcontext()
+    with ctx:
+        if m.path:
+            model = _hf_model(m)
+        else:
+            model = GPT(gpt_config(m, seq_len, vocab))
+    if m.path:
+        vocab_size = int(model.config.vocab_size)
+        return model, _hf_loss, vocab_size
+    return model, _gpt_loss, model.cfg.vocab_size
+
+
+def _gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, y)
+
+
+def _hf_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # The loss from the logits, not labels=: y is already shifted by the sampler.
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay_small: bool) -> Any:
+    """Groups for ``infinity.initialize``: with ``no_decay_small`` every
+    parameter of fewer than 2 dimensions (norm weights, biases) goes to a
+    group with weight_decay 0; None (one group) otherwise."""
+    if not no_decay_small:
+        return None
+    seen, decay, no_decay = set(), [], []
+    for p in model.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (no_decay if p.ndim < 2 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

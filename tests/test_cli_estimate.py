@@ -1,0 +1,32 @@
+"""`infinity estimate`: the placement figures against what a run really used."""
+
+import json
+
+from cli_utils import cli, run_file
+from infinity.cli.doctor import load_for_estimate
+from infinity.cli.estimate import estimate
+
+
+def test_estimate_matches_a_real_run(tmp_path, capsys):
+    p = run_file(tmp_path, steps=2, runtime='offload_params = "nvme"\noffload_optimizer = "nvme"\n'
+                 'host_memory = "64MiB"')
+    config, model = load_for_estimate(str(p))
+    est = estimate(model, config)
+    assert model.wte.weight.device.type == "meta"  # nothing was allocated
+    assert cli("estimate", p) == 0
+    out = capsys.readouterr().out
+    assert f"{est['nvme']['capacity']:,}" in out and "paging units" in out
+    assert cli("train", p) == 0
+    last = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    peak, budget = last["peak_bytes"], last["budget_bytes"]
+    assert budget["nvme"] >= est["nvme"]["capacity"] >= peak["nvme"] > 0
+    assert est["host"]["minimum"] <= est["host"]["capacity"] and peak["host"] <= est["host"]["capacity"]
+    assert peak["device"] <= est["device"]["everything"]
+    assert est["device"]["minimum"] <= est["device"]["everything"]
+
+
+def test_budget_below_minimum_exits_1(tmp_path, capsys):
+    p = run_file(tmp_path, runtime='offload_params = "nvme"\noffload_optimizer = "nvme"\nhost_memory = "4KiB"')
+    assert cli("estimate", p) == 1
+    assert "host budget 4.00 KiB is below the minimum" in capsys.readouterr().out
+    assert cli("estimate", p, "--world", "0") == 2
