@@ -139,13 +139,41 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert "--resume" in capsys.readouterr().out
 
 
-def test_python_dash_m_and_checkpoint_subcommands(tmp_path):
-    if hasattr(infinity, "verify_checkpoint"):
-        pytest.skip("issue 19 landed: verify runs the real function")
+def test_resume_continues_to_the_uninterrupted_losses_and_verify_consolidate(tmp_path):
+    """The real checkpoints: a run of 4 steps, against 2 steps + a checkpoint
+    + `--resume` to 4 (same losses, bit for bit); `python -m infinity verify`
+    and `consolidate` on the checkpoint."""
+    nvme = 'offload_params = "nvme"\noffload_optimizer = "nvme"\nhost_memory = "64MiB"'
+    full = run_file(tmp_path, steps=4, runtime=nvme, extra='[schedule]\nwarmup_steps = 1\ndecay = "constant"')
+    assert cli("train", full) == 0
+    want = [r["loss"] for r in _metrics(tmp_path)]
+    (tmp_path / "out" / "metrics.jsonl").unlink()
+    part = run_file(tmp_path, steps=2, runtime=nvme,
+                    extra='[schedule]\nwarmup_steps = 1\ndecay = "constant"\n[checkpoint]\ndir = "ckpt"\nevery = 2')
+    assert cli("train", part) == 0
+    first = [r["loss"] for r in _metrics(tmp_path)]
+    (tmp_path / "out" / "metrics.jsonl").unlink()
+    part.write_text(part.read_text().replace("steps = 2", "steps = 4"))
+    assert cli("train", part, "--resume") == 0
+    assert first + [r["loss"] for r in _metrics(tmp_path)] == want
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "infinity", "verify", str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 1 and "needs infinity.verify_checkpoint (issue 19)" in r.stderr
+    ck = tmp_path / "ckpt"
+    r = subprocess.run([sys.executable, "-m", "infinity", "verify", str(ck)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "infinity", "consolidate", str(ck), str(tmp_path / "hf")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (tmp_path / "hf" / "model.safetensors").exists(), r.stderr
+    newest = sorted(p for p in ck.iterdir() if p.name.startswith("step-"))[-1]
+    shard = next(newest.glob("model-*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.seek(-5, 2)
+        b = f.read(1)
+        f.seek(-5, 2)
+        f.write(bytes([b[0] ^ 1]))
+    r = subprocess.run([sys.executable, "-m", "infinity", "verify", str(ck)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and "CRC32C" in r.stdout, r.stdout + r.stderr
 
 
 def test_every_subcommand_has_help_and_the_console_script_resolves(capsys):
