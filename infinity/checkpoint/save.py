@@ -103,24 +103,30 @@ def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optiona
             shutil.rmtree(partial, ignore_errors=True)
         raise
     _barrier(eng)  # the folder exists: every rank adds its RNG state
-    rng_of_rank = _exchange_rng(eng, partial)
+    meta.update(tensors=tensors, rng=_exchange_rng(eng, partial))
     if not writer:
         _barrier(eng)
         return Path(root) / layout.step_dir_name(step)
     try:
-        meta.update(tensors=tensors, rng=rng_of_rank, files=_file_sizes(partial))
+        return Path(_commit(root, partial, step, meta, keep_last, plan))
+    finally:
+        _barrier(eng)
+
+
+def _commit(root: str, partial: str, step: int, meta: dict, keep_last: Optional[int], plan: Plan) -> str:
+    """Manifest last, then the rename ([Note: a checkpoint is complete or invisible])."""
+    try:
+        meta["files"] = _file_sizes(partial)
         _at("manifest")
         layout.write_json_atomic(os.path.join(partial, layout.MANIFEST), meta)
         _at("commit")
         final = layout.commit(root, partial, step)
         _at("prune")
         layout.prune(root, keep_last, keep=final)
+        return final
     except OSError as e:
         shutil.rmtree(partial, ignore_errors=True)
         raise _space_error(root, plan, e) from e
-    finally:
-        _barrier(eng)
-    return Path(final)
 
 
 def _write_all(eng, plan: Plan, folder: Optional[str]) -> Dict[str, dict]:
