@@ -22,7 +22,7 @@ import torch
 from ..config import parse_bytes
 from . import layout
 from .load import _Files, read_manifest
-from .safetensors_io import ShardWriter
+from .safetensors_io import ShardWriter, nbytes
 
 __all__ = ["export_pretrained", "consolidate", "INDEX_NAME"]
 
@@ -51,7 +51,7 @@ def _write_hf(out_dir: str, items: Sequence[Source], dtype: torch.dtype, max_sha
     entries = [(n, dtype if d.is_floating_point else d, s, src) for n, d, s, src in items]
     shards, cur, size = [], [], 0
     for e in entries:
-        n = _nbytes(e[1], e[2])
+        n = nbytes(e[1], e[2])
         if cur and size + n > limit:
             shards.append(cur)
             cur, size = [], 0
@@ -88,13 +88,6 @@ def _write_hf(out_dir: str, items: Sequence[Source], dtype: torch.dtype, max_sha
     finally:
         shutil.rmtree(part, ignore_errors=True)
     return names
-
-
-def _nbytes(dtype: torch.dtype, shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * torch.empty(0, dtype=dtype).element_size()
 
 
 def _hf_config(model) -> Optional[str]:

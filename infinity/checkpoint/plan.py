@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ..engine.faults import UsageError
 from ..engine.state import GradState
+from .safetensors_io import nbytes
 
 __all__ = ["Plan", "plan_checkpoint", "Item"]
 
@@ -35,16 +36,9 @@ class Plan:
     def __post_init__(self):
         self.reader = UnitReader(self.eng)
 
-    @staticmethod
-    def nbytes(dtype: torch.dtype, shape) -> int:
-        n = 1
-        for d in shape:
-            n *= int(d)
-        return n * torch.empty(0, dtype=dtype).element_size()
-
     @property
     def total_bytes(self) -> int:
-        return sum(self.nbytes(d, s) for _, d, s, _ in self.model_items + self.optim_items)
+        return sum(nbytes(d, s) for _, d, s, _ in self.model_items + self.optim_items)
 
     @property
     def step(self) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from ..io.engine import crc32c
 
-__all__ = ["DTYPES", "Entry", "ShardWriter", "read_tensor", "read_header", "CorruptCheckpointError"]
+__all__ = ["DTYPES", "Entry", "nbytes", "ShardWriter", "read_tensor", "read_header", "CorruptCheckpointError"]
 
 DTYPES: Dict[torch.dtype, str] = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -40,7 +40,8 @@ class CorruptCheckpointError(ValueError):
 Entry = Tuple[str, torch.dtype, Tuple[int, ...]]  # name, dtype, shape
 
 
-def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape``."""
     n = 1
     for d in shape:
         n *= int(d)
@@ -60,7 +61,7 @@ class ShardWriter:
         off = 0
         self._order: List[Tuple[str, int]] = []
         for name, dtype, shape in entries:
-            n = _nbytes(dtype, shape)
+            n = nbytes(dtype, shape)
             header[name] = {"dtype": DTYPES[dtype], "shape": [int(d) for d in shape], "data_offsets": [off, off + n]}
             self._order.append((name, n))
             off += n

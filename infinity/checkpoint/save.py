@@ -33,7 +33,7 @@ import torch
 from ..config import format_bytes
 from . import layout, rng
 from .plan import Plan, plan_checkpoint
-from .safetensors_io import ShardWriter
+from .safetensors_io import ShardWriter, nbytes
 
 __all__ = ["save_checkpoint", "CheckpointSpaceError", "MAX_SHARD_BYTES"]
 
@@ -185,7 +185,7 @@ def eng_guarded(eng, source):
 def _split(entries: List[Tuple], limit: int) -> List[List[Tuple]]:
     shards, cur, size = [], [], 0
     for e in entries:
-        n = Plan.nbytes(e[1], e[2])
+        n = nbytes(e[1], e[2])
         if cur and size + n > limit:
             shards.append(cur)
             cur, size = [], 0
