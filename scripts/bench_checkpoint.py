@@ -83,8 +83,7 @@ def raw_bandwidth(folder: str, nbytes: int) -> tuple:
         out.append(nbytes / (time.perf_counter() - t) / 1e9)
     os.close(fd)
     os.unlink(path)
-    del bufs  # the views go before the mapping
-    mem.close()
+    del bufs, jobs  # the views go before the mapping
     return tuple(out)
 
 

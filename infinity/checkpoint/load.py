@@ -20,6 +20,7 @@ import torch
 
 from . import layout, rng
 from .plan import Plan, plan_checkpoint
+from .direct_stream import DirectReader
 from .safetensors_io import CorruptCheckpointError, read_header, read_tensor
 
 __all__ = ["load_checkpoint", "verify_checkpoint", "read_manifest"]
@@ -150,7 +151,7 @@ class _Files:
         fname = rec["file"]
         f = self._open.get(fname)
         if f is None:
-            f = self._open[fname] = open(os.path.join(self.ckpt, fname), "rb")
+            f = self._open[fname] = DirectReader(os.path.join(self.ckpt, fname))
         return read_tensor(f, os.path.join(self.ckpt, fname), rec, dtype, shape, out)
 
 

@@ -14,13 +14,13 @@ the checkpoint's manifest; the reader checks it as it reads.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..io.engine import crc32c
+from .direct_stream import DirectStream
 
 __all__ = ["DTYPES", "Entry", "nbytes", "ShardWriter", "read_tensor", "read_header", "CorruptCheckpointError"]
 
@@ -73,10 +73,8 @@ class ShardWriter:
         self.nbytes = self.data_start + off
         self.records: List[dict] = []
         self._next = 0
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        self._f = os.fdopen(fd, "wb", buffering=1 << 20)
-        self._f.write(struct.pack("<Q", len(raw)))
-        self._f.write(raw)
+        self._f = DirectStream(path)  # [Note: checkpoint writes without the page cache]
+        self._f.write_bytes(struct.pack("<Q", len(raw)) + raw)
         self._pos = self.data_start
 
     def write(self, name: str, t: torch.Tensor) -> None:
@@ -93,7 +91,7 @@ class ShardWriter:
                                f"{n} declared")
         crc = crc32c(t.data_ptr(), n) if n else 0
         if n:
-            self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            self._f.write(t)
         self.records.append({"name": name, "offset": self._pos, "length": n, "crc32c": crc})
         self._pos += n
         self._next += 1
@@ -103,15 +101,14 @@ class ShardWriter:
         try:
             if self._next != len(self._order):
                 raise RuntimeError(f"internal: {self.path}: {len(self._order) - self._next} tensors not written")
-            self._f.flush()
-            os.fsync(self._f.fileno())
-        finally:
             self._f.close()
+        finally:
+            self._f.abort()
 
     def abort(self) -> None:
         """Closes without checks (the partial file is removed by the caller)."""
         try:
-            self._f.close()
+            self._f.abort()
         except OSError:
             pass
 
@@ -137,8 +134,8 @@ def read_header(path: str) -> Tuple[dict, int]:
 
 def read_tensor(f, path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int],
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Reads the tensor of manifest record ``rec`` from open file ``f`` (of
-    ``path``) into ``out`` (or a new CPU tensor) and checks its CRC32C."""
+    """Reads the tensor of manifest record ``rec`` from ``f`` (a
+    :class:`~.direct_stream.DirectReader` of ``path``) into ``out`` (or a new CPU tensor) and checks its CRC32C."""
     n = rec["length"]
     t = out if out is not None else torch.empty(tuple(shape), dtype=dtype)
     if t.numel() * t.element_size() != n:
@@ -146,8 +143,7 @@ def read_tensor(f, path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int
                                      f"{t.numel() * t.element_size()} for shape {tuple(shape)} {dtype}")
     if n == 0:
         return t
-    f.seek(rec["offset"])
-    got = f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    got = f.read_into(rec["offset"], t)  # a DirectReader
     if got != n:
         raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset']}: {got} of {n} bytes "
                                      "present (file truncated)")

@@ -1,0 +1,201 @@
+"""A sequential file writer that bypasses the page cache.
+
+[Note: checkpoint writes without the page cache]
+Buffered writes of a checkpoint went through the page cache at 0.48 GB/s on
+the development machine (allocating and copying into cache pages), against
+2.2 GB/s for O_DIRECT writes of the same disk. A safetensors file's tensors
+sit at arbitrary offsets, so the stream is gathered into 4 KiB-aligned
+staging blocks of ``BLOCK`` bytes (one filled while the others are written
+by background threads) and each full block goes to the disk with
+O_DIRECT. ``DEPTH`` blocks are in flight at once (the disk needs a queue:
+one at a time reached 1.5 GB/s here, 8 deep raw writes 2.2). The last block is padded to 4 KiB and the file cut to its true
+length. Where O_DIRECT is refused (tmpfs, some network filesystems) the same
+blocks are written through the page cache.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["DirectStream", "DirectReader", "BLOCK"]
+
+BLOCK = 8 << 20  # bytes per staging block and per write
+DEPTH = 4        # blocks being written at once (and one more being filled)
+_ALIGN = 4096
+
+
+class DirectStream:
+    """Appends bytes to a new file at ``path`` (created 0600, never an
+    existing one): :meth:`write` copies from tensors, :meth:`close` writes
+    the rest, cuts the file to its length and fsyncs it."""
+
+    def __init__(self, path: str):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        try:
+            self._fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            self.direct = True
+        except OSError:
+            self._fd = os.open(path, flags, 0o600)
+            self.direct = False
+        self._maps = [mmap.mmap(-1, BLOCK) for _ in range(DEPTH + 1)]  # page-aligned
+        self._bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._cur, self._fill, self._file_pos = 0, 0, 0
+        self._pending: deque = deque()  # (block index, future), oldest first
+        self._pool = ThreadPoolExecutor(DEPTH, thread_name_prefix="infinity-ckpt-write")
+        self.length = 0
+
+    def write(self, t: torch.Tensor) -> None:
+        """Appends the bytes of contiguous CPU tensor ``t``."""
+        src = t.reshape(-1).view(torch.uint8)
+        done, n = 0, src.numel()
+        while done < n:
+            k = min(BLOCK - self._fill, n - done)
+            self._bufs[self._cur][self._fill:self._fill + k].copy_(src[done:done + k])
+            self._fill += k
+            done += k
+            if self._fill == BLOCK:
+                self._flush(BLOCK)
+        self.length += n
+
+    def write_bytes(self, data: bytes) -> None:
+        self.write(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def _flush(self, nbytes: int) -> None:
+        """Hands the current block (``nbytes`` of it, aligned) to a writer
+        thread and takes the next free one (waiting for the oldest write)."""
+        buf, pos = self._maps[self._cur], self._file_pos
+        self._pending.append((self._cur, self._pool.submit(self._pwrite, memoryview(buf)[:nbytes], pos)))
+        self._file_pos += nbytes
+        busy = {i for i, _ in self._pending}
+        while len(busy) > DEPTH:
+            self._wait_oldest()
+            busy = {i for i, _ in self._pending}
+        self._cur, self._fill = next(i for i in range(DEPTH + 1) if i not in busy), 0
+
+    def _pwrite(self, view: memoryview, pos: int) -> None:
+        try:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], pos + done)
+        finally:
+            view.release()
+
+    def _wait_oldest(self) -> None:
+        _, f = self._pending.popleft()
+        f.result()  # raises the write's OSError (ENOSPC, EIO)
+
+    def _wait(self) -> None:
+        while self._pending:
+            self._wait_oldest()
+
+    def close(self) -> None:
+        """Writes what is left, cuts the file to :attr:`length` bytes and fsyncs it."""
+        try:
+            if self._fill:
+                tail = self._fill
+                pad = -tail % _ALIGN
+                self._bufs[self._cur][tail:tail + pad].zero_()
+                self._flush(tail + pad)
+            self._wait()
+            os.ftruncate(self._fd, self.length)
+            os.fsync(self._fd)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stops and releases everything (the caller removes the partial file)."""
+        if self._fd < 0:
+            return
+        try:
+            self._pool.shutdown(wait=True)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+            self._bufs = []
+            for m in self._maps:
+                try:
+                    m.close()
+                except BufferError:
+                    pass  # a view still alive (an aborted write): the mapping goes with it
+
+
+class DirectReader:
+    """Reads a file in ``BLOCK``-sized aligned blocks with O_DIRECT (page
+    cache bypassed where the filesystem allows), ``DEPTH`` blocks ahead of
+    the position last read: loading reads a checkpoint front to back."""
+
+    def __init__(self, path: str):
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            self._fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+        self._maps = [mmap.mmap(-1, BLOCK) for _ in range(DEPTH + 1)]
+        self._bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._free = list(range(DEPTH + 1))
+        self._blocks: dict = {}  # block number -> (buffer index, future of the bytes read)
+        self._pool = ThreadPoolExecutor(DEPTH, thread_name_prefix="infinity-ckpt-read")
+
+    def _pread(self, i: int, b: int) -> int:
+        view = memoryview(self._maps[i])
+        try:
+            got, want = 0, min(BLOCK, self.size - b * BLOCK)
+            while got < want:
+                n = os.preadv(self._fd, [view[got:]], b * BLOCK + got)
+                if n == 0:
+                    break
+                got += n
+            return got
+        finally:
+            view.release()
+
+    def _schedule(self, first: int) -> None:
+        for b in [b for b in self._blocks if b < first]:
+            i, f = self._blocks.pop(b)
+            f.result()
+            self._free.append(i)
+        b = first
+        while self._free and b * BLOCK < self.size and b < first + DEPTH + 1:
+            if b not in self._blocks:
+                i = self._free.pop()
+                self._blocks[b] = (i, self._pool.submit(self._pread, i, b))
+            b += 1
+
+    def read_into(self, offset: int, dst: torch.Tensor) -> int:
+        """Fills ``dst`` (contiguous CPU tensor) from byte ``offset``; returns
+        the bytes read (fewer at the end of the file)."""
+        out = dst.reshape(-1).view(torch.uint8)
+        done, n = 0, out.numel()
+        while done < n and offset + done < self.size:
+            b = (offset + done) // BLOCK
+            self._schedule(b)
+            if b not in self._blocks:  # no free buffer: an earlier block is still held
+                self._schedule(b + DEPTH + 1)
+                self._schedule(b)
+            i, f = self._blocks[b]
+            got = f.result()
+            within = offset + done - b * BLOCK
+            k = min(got - within, n - done)
+            if k <= 0:
+                break
+            out[done:done + k].copy_(self._bufs[i][within:within + k])
+            done += k
+        return done
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self._pool.shutdown(wait=True)
+        os.close(self._fd)
+        self._fd = -1
+        self._bufs = []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                pass
