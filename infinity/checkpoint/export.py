@@ -110,6 +110,7 @@ def export_pretrained(model, out_dir, *, dtype: Union[str, torch.dtype] = "bf16"
     eng.faults.check("infinity.export_pretrained()")
     plan = plan_checkpoint(model, eng)
     target = _target(dtype)
+    plan.reader.expect(plan.model_items)
     if eng.sharding.rank != 0:  # the reads are collectives: take part, write nothing
         for _, _, _, src in plan.model_items:
             src()

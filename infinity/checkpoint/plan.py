@@ -99,29 +99,93 @@ def _unit_items(plan: Plan, u, exclude_frozen: bool) -> None:
             if s.trainable is not want or (not want and exclude_frozen):
                 continue
             plan.model_items.append((plan.names[id(s.param)], dtype_of[kind], tuple(s.shape),
-                                     lambda s=s, kind=kind: plan.reader.slice(u, kind, s)))
+                                     SlotSource(plan.reader, u, kind, s)))
     for kind in ("exp_avg", "exp_avg_sq"):
         for s in u.layout.trainable_slots:
             plan.optim_items.append((f"{kind}.{plan.names[id(s.param)]}", torch.float32, tuple(s.shape),
-                                     lambda s=s, kind=kind: plan.reader.slice(u, kind, s)))
+                                     SlotSource(plan.reader, u, kind, s)))
+
+
+class SlotSource:
+    """The values of one slot of one of a unit's buffers (an item's source)."""
+
+    __slots__ = ("reader", "u", "kind", "s")
+
+    def __init__(self, reader, u, kind: str, s):
+        self.reader, self.u, self.kind, self.s = reader, u, kind, s
+
+    def __call__(self) -> torch.Tensor:
+        return self.reader.slice(self.u, self.kind, self.s)
 
 
 class UnitReader:
     """A unit's buffer of one kind, read from its tier when its first slot is
-    asked for and dropped when another unit's or kind's is (bounded memory:
-    one unit's buffer at a time, since the items come unit by unit)."""
+    asked for and dropped when another unit's or kind's is (bounded memory),
+    the next one in :meth:`expect`'s order read meanwhile on a thread of its
+    own (NVMe homes: the swap read overlaps the checkpoint write). So at most
+    two units' buffers are held. Under ZeRO the reads are collectives, all
+    issued from that one thread in the same order on every rank."""
 
     def __init__(self, eng):
         self.eng = eng
         self._key: Optional[tuple] = None
         self._buf: Optional[torch.Tensor] = None
+        self._order: List[tuple] = []
+        self._units: Dict[tuple, object] = {}
+        self._ahead: Optional[tuple] = None  # (key, future)
+        self._pool = None
+
+    def expect(self, items) -> None:
+        """The order the buffers of ``items`` (a plan's item list) will be asked for."""
+        self._order = []
+        for _, _, _, src in items:
+            if isinstance(src, SlotSource):
+                key = (src.u.index, src.kind)
+                self._units[key] = src.u
+                if not self._order or self._order[-1] != key:
+                    self._order.append(key)
 
     def slice(self, u, kind: str, s) -> torch.Tensor:
-        if self._key != (u.index, kind):
+        key = (u.index, kind)
+        if self._key != key:
             self._buf = None  # freed before the next one is read
-            self._buf = self.eng.read(u, kind)
-            self._key = (u.index, kind)
+            self._buf = self._take(key)
+            self._key = key
+            self._read_next(key)
         return self._buf[s.offset:s.offset + s.numel].view(s.shape)
 
+    def _take(self, key: tuple) -> torch.Tensor:
+        if self._ahead is not None:
+            k, fut = self._ahead
+            self._ahead = None
+            buf = fut.result()  # a read's fault is raised here, on the caller's thread
+            if k == key:
+                return buf
+        return self._submit(key).result()
+
+    def _submit(self, key: tuple):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinity-ckpt-state")
+        return self._pool.submit(self.eng.read, self._units.get(key) or self._unit(key), key[1])
+
+    def _unit(self, key: tuple):
+        return self.eng.units[key[0]]
+
+    def _read_next(self, key: tuple) -> None:
+        try:
+            nxt = self._order[self._order.index(key) + 1]
+        except (ValueError, IndexError):
+            return
+        self._ahead = (nxt, self._submit(nxt))
+
     def done(self) -> None:
+        """Drops the buffers; waits for a read still in flight (every rank issued it)."""
         self._buf, self._key = None, None
+        if self._ahead is not None:
+            _, fut = self._ahead
+            self._ahead = None
+            fut.exception()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -135,6 +135,24 @@ def _write_all(eng, plan: Plan, folder: Optional[str]) -> Dict[str, dict]:
     write error stops the writing, not the reading: under ZeRO the reads are
     collectives every rank must finish; then every rank raises."""
     records: Dict[str, dict] = {}
+    plan.reader.expect(plan.model_items + plan.optim_items)
+    try:
+        failed = _write_files(eng, plan, folder, records)
+    finally:
+        plan.reader.done()
+    if eng.sharding.world > 1 and eng.sharding.sum(1.0 if failed is not None else 0.0) and failed is None:
+        raise RuntimeError("save_checkpoint: rank 0 could not write the checkpoint (its error says why); "
+                           "nothing was saved")
+    if failed is not None:
+        raise _space_error(os.path.dirname(folder), plan, failed) from failed
+    for name, dtype, shape, _ in plan.model_items + plan.optim_items:
+        if name in records:
+            records[name].update(dtype=str(dtype).replace("torch.", ""), shape=list(shape))
+    return records
+
+
+def _write_files(eng, plan: Plan, folder: Optional[str], records: Dict[str, dict]) -> Optional[OSError]:
+    """The shards' writing loop of :func:`_write_all`; the first write error, or None."""
     failed: Optional[OSError] = None
     for prefix, items in (("model", plan.model_items), ("optimizer", plan.optim_items)):
         shards = _split([(n, d, s) for n, d, s, _ in items], MAX_SHARD_BYTES)
@@ -164,16 +182,7 @@ def _write_all(eng, plan: Plan, folder: Optional[str]) -> Dict[str, dict]:
                     failed = e
                 finally:
                     w.abort()
-    plan.reader.done()
-    if eng.sharding.world > 1 and eng.sharding.sum(1.0 if failed is not None else 0.0) and failed is None:
-        raise RuntimeError("save_checkpoint: rank 0 could not write the checkpoint (its error says why); "
-                           "nothing was saved")
-    if failed is not None:
-        raise _space_error(os.path.dirname(folder), plan, failed) from failed
-    for name, dtype, shape, _ in plan.model_items + plan.optim_items:
-        if name in records:
-            records[name].update(dtype=str(dtype).replace("torch.", ""), shape=list(shape))
-    return records
+    return failed
 
 
 def eng_guarded(eng, source):
