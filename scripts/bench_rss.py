@@ -117,7 +117,7 @@ def report(t: dict, i: dict) -> bool:
     return ok
 
 
-FIXED_OVERHEAD = 256 << 20  # worker threads' malloc arenas and the engine's bookkeeping: measured ~190 MiB (91 M parameters)
+FIXED_OVERHEAD = 256 << 20  # worker threads' malloc arenas, the engine's bookkeeping (docs/config.md, host_memory): ~190 MiB measured
 
 
 def main() -> None:
