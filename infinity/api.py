@@ -13,6 +13,7 @@ from .config import Config
 from .engine.core import Engine
 from .engine.hooks import install_hooks
 from .engine.optimizer import InfinityOptimizer
+from .engine.state_dict import install_state_dict_hooks
 from .optim.functional import check_hyperparameters
 from .signals import install_sigterm_handler
 
@@ -81,7 +82,9 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
     if not groups[0]["params"]:
         raise ValueError("initialize: the model has no trainable parameters")
     optimizer = InfinityOptimizer(engine, groups, defaults)
-    engine.attach(optimizer, install_hooks(engine))
+    hooks = install_hooks(engine)
+    hooks.handles += install_state_dict_hooks(model, engine)  # [Note: state_dict of a managed model]
+    engine.attach(optimizer, hooks)
     _ENGINES[model] = engine
     install_sigterm_handler()  # [Note: SIGTERM]: the atexit close above then runs
     return model, optimizer

@@ -75,6 +75,7 @@ class Engine:
         # See [Note: saved tensors follow their unit]; units that never move need no hooks.
         self.saved = None if self.modes.params_on_device else SavedTensorRouter(self)
         self.schedule = self.optimizer = self.hooks = None  # see attach()
+        self.values_version = 0  # bumped whenever parameter values change (values_changed, after_step)
         self._pass_pins: list = []
         self._in_pass = self.pass_grad = self._relayout = self._closed = False
         self.stats.end_step_window()  # the first step's counters start after initialisation
@@ -156,6 +157,7 @@ class Engine:
 
     def after_step(self) -> None:
         """Called at the end of every optimizer step (see [Note: the default device budget])."""
+        self.values_version += 1
         self.budget.after_step()
 
     @property
@@ -284,6 +286,7 @@ class Engine:
         ones) changed in their home: bumps their autograd versions, so a
         tensor saved before and needed after raises torch's in-place error
         (see [Note: saved tensors follow their unit])."""
+        self.values_version += 1  # readers that cache values (state_dict.py) read again
         params = [s.param for s in (u.layout.trainable_slots if slots is None else slots)]
         if params:
             torch.autograd.graph.increment_version(params)

@@ -1,0 +1,61 @@
+"""`model.state_dict()` of a managed model gives the true values (issue 23):
+offloaded parameters were NaN stand-ins, silently; torch.save of it into a
+plain model then trained from NaN."""
+
+import pytest
+import torch
+from paging_zoo import Chain, base_config
+
+import infinity
+
+
+def model():
+    torch.manual_seed(0)
+    return Chain([32, 16, 64, 8])
+
+
+def data(n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("params,opt,dtype", [("host", "host", "fp32"), ("nvme", "nvme", "fp32"),
+                                              ("none", "host", "fp32"), ("nvme", "nvme", "bf16")])
+def test_state_dict_is_the_true_values_after_training(tmp_path, params, opt, dtype):
+    cfg = infinity.Config(**base_config(offload_params=params, offload_optimizer=opt, dtype=dtype,
+                                        device_memory=1 << 20, swap_paths=[str(tmp_path)], swap_block_size=4096))
+    m, o = infinity.initialize(model(), cfg, lr=1e-2)
+    for x, y in data(3):
+        m(x.to(o.engine.modes.dtype), y.to(o.engine.modes.dtype)).backward()
+        o.step()
+        o.zero_grad()
+    sd = m.state_dict()
+    full = infinity.full_state_dict(m)
+    assert sorted(sd) == sorted(full)
+    for k, v in sd.items():
+        assert not torch.isnan(v).any(), k
+        assert v.dtype == o.engine.modes.dtype or not v.is_floating_point(), (k, v.dtype)
+        assert torch.equal(v.float(), full[k].to(v.dtype).float()), k  # the compute copy: the master rounded
+    block = m.blocks[1].state_dict()  # a submodule's own call
+    assert torch.equal(block["a.weight"], sd["blocks.1.a.weight"])
+    # Saved with torch and loaded into a plain model: the same outputs.
+    torch.save(sd, tmp_path / "sd.pt")
+    plain = model().to(o.engine.modes.dtype)
+    plain.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    x, y = data(1, seed=9)[0]
+    x, y = x.to(o.engine.modes.dtype), y.to(o.engine.modes.dtype)
+    with torch.no_grad():
+        assert torch.equal(plain(x, y), m(x, y))
+    infinity.close(m)
+
+
+def test_state_dict_refuses_a_model_larger_than_ram(tmp_path, monkeypatch):
+    from infinity.engine import state_dict as sdmod
+    cfg = infinity.Config(**base_config(offload_params="nvme", offload_optimizer="nvme", device_memory=1 << 20,
+                                        swap_paths=[str(tmp_path)]))
+    m, o = infinity.initialize(model(), cfg, lr=1e-2)
+    monkeypatch.setattr(sdmod.sysinfo, "available_ram", lambda: 1000)
+    with pytest.raises(infinity.engine.faults.UsageError, match="export_pretrained"):
+        m.state_dict()
+    assert infinity.full_state_dict(m)  # the engine is fine
+    infinity.close(m)
