@@ -14,6 +14,7 @@ from .engine.core import Engine
 from .engine.hooks import install_hooks
 from .engine.optimizer import InfinityOptimizer
 from .engine.state_dict import install_state_dict_hooks
+from .engine.torch_guards import install_torch_guards
 from .optim.functional import check_hyperparameters
 from .signals import install_sigterm_handler
 
@@ -87,6 +88,7 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
     engine.attach(optimizer, hooks)
     _ENGINES[model] = engine
     install_sigterm_handler()  # [Note: SIGTERM]: the atexit close above then runs
+    install_torch_guards(lambda: list(_ENGINES.values()))  # [Note: gradients torch cannot see]
     return model, optimizer
 
 

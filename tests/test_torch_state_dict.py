@@ -59,3 +59,24 @@ def test_state_dict_refuses_a_model_larger_than_ram(tmp_path, monkeypatch):
         m.state_dict()
     assert infinity.full_state_dict(m)  # the engine is fine
     infinity.close(m)
+
+
+def test_torch_clip_grad_norm_on_managed_parameters_raises_naming_max_grad_norm(tmp_path):
+    """torch's clip_grad_norm_ saw p.grad None on every managed parameter:
+    it returned 0 and clipped nothing, silently."""
+    cfg = infinity.Config(**base_config(offload_params="host", offload_optimizer="host", device_memory=1 << 20))
+    m, o = infinity.initialize(model(), cfg, lr=1e-2)
+    x, y = data(1)[0]
+    m(x, y).backward()
+    for fn in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_):
+        with pytest.raises(infinity.engine.faults.UsageError, match="max_grad_norm"):
+            fn(m.parameters(), 1.0)
+    with pytest.raises(infinity.engine.faults.UsageError, match="max_grad_norm"):
+        torch.nn.utils.clip_grad_value_(list(m.parameters())[:1], 0.1)
+    o.step()  # nothing was changed: training goes on
+    o.zero_grad()
+    plain = torch.nn.Linear(3, 3)
+    plain(torch.ones(2, 3)).sum().backward()
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in plain.parameters()]))
+    assert torch.isclose(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9), want)  # others: torch's own
+    infinity.close(m)
