@@ -17,9 +17,11 @@ import torch
 
 __all__ = ["Config", "parse_bytes", "format_bytes"]
 
+# One grammar: decimal "8GB" (10**9), binary "8GiB" (2**30). A bare "8G" is
+# refused: tools disagree on what it means (DeepSpeed and `ls -h` read 2**30).
 _UNITS = {
     "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 
@@ -37,9 +39,14 @@ def parse_bytes(value: Union[int, float, str], name: str = "value") -> int:
         return int(value)
     if not isinstance(value, str):
         raise TypeError(f"{name}={value!r}: expected bytes (int) or a size string like '8GiB'")
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    if m and m.group(2).lower() in ("k", "m", "g", "t"):
+        u = m.group(2).upper()
+        raise ValueError(f"{name}={value!r}: ambiguous unit {m.group(2)!r}; write '{m.group(1)}{u}B' "
+                         f"(decimal, 10^{3 * 'KMGT'.index(u) + 3}) or '{m.group(1)}{u}iB' (binary, "
+                         f"2^{10 * 'KMGT'.index(u) + 10})")
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{name}={value!r}: not a size; use bytes or e.g. '512MiB', '8GiB', '1.5GB'")
+        raise ValueError(f"{name}={value!r}: not a size; use bytes or e.g. '512MiB', '8GiB', '1.5GB', '1e9'")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 

@@ -221,8 +221,14 @@ def test_parse_bytes():
     assert parse_bytes("512 MiB") == 512 << 20
     assert parse_bytes("1.5GB") == 1_500_000_000
     assert parse_bytes(1234) == 1234
+    assert parse_bytes("1e9") == parse_bytes(1e9) == 1_000_000_000  # a string as its number
     with pytest.raises(ValueError, match="x"):
         parse_bytes("12 parsecs", "x")
+    # A bare "8G" was taken as 10**9 silently; tools disagree on it.
+    with pytest.raises(ValueError, match=r"device_memory='8G'.*'8GB'.*'8GiB'"):
+        parse_bytes("8G", "device_memory")
+    with pytest.raises(ValueError, match="ambiguous"):
+        infinity.Config(host_memory="512m")
 
 
 def test_default_device_budget_grows_after_the_first_step(monkeypatch):

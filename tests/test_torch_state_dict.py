@@ -80,3 +80,23 @@ def test_torch_clip_grad_norm_on_managed_parameters_raises_naming_max_grad_norm(
     want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in plain.parameters()]))
     assert torch.isclose(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9), want)  # others: torch's own
     infinity.close(m)
+
+
+def test_a_step_skipped_for_a_nan_gradient_is_counted_and_logged(tmp_path, caplog):
+    """With clipping, a NaN gradient norm skips the step (nothing changes);
+    it was neither counted nor logged."""
+    cfg = infinity.Config(**base_config(offload_params="host", offload_optimizer="host", device_memory=1 << 20,
+                                        max_grad_norm=1.0))
+    m, o = infinity.initialize(model(), cfg, lr=1e-2)
+    before = infinity.full_state_dict(m)
+    x, y = data(1)[0]
+    x[0, 0] = float("nan")
+    with caplog.at_level("WARNING", logger="infinity"):
+        m(x, y).backward()
+        o.step()
+    o.zero_grad()
+    assert infinity.stats(m)["skipped_steps"] == 1
+    assert any("step skipped" in r.getMessage() and "nan" in r.getMessage() for r in caplog.records)
+    after = infinity.full_state_dict(m)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    infinity.close(m)

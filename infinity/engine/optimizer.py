@@ -10,6 +10,7 @@ schedule.py), one unit's update is update.py's.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import List, Optional, Tuple
 
@@ -26,6 +27,8 @@ from .schedule import make_schedule
 from .update import Updater, written_runs
 
 __all__ = ["InfinityOptimizer"]
+
+log = logging.getLogger("infinity")
 
 
 class InfinityOptimizer(torch.optim.Optimizer):
@@ -115,12 +118,19 @@ class InfinityOptimizer(torch.optim.Optimizer):
         return float(torch.stack(parts).sum()) if parts else 0.0
 
     def after_overflow_check(self, skip: bool) -> None:
-        """fp16: counts the step (skipped or not) and adjusts the dynamic scale."""
+        """Counts a step skipped for a non-finite gradient norm (logged, in
+        ``stats``); fp16: adjusts the dynamic scale."""
+        if skip:
+            self.engine.stats.skipped_steps += 1
+            # fp16's dynamic scale skips a few steps by design while it finds its scale.
+            level = logging.INFO if self._dynamic else logging.WARNING
+            log.log(level, "infinity: optimizer step skipped: the gradient norm is %s (%d skipped so far)%s",
+                    self.last_grad_norm, self.engine.stats.skipped_steps,
+                    f"; loss scale {self.loss_scale:g}" if self.fp16 else "")
         if not self.fp16:
             return
         cfg = self.engine.config
         if skip:
-            self.engine.stats.skipped_steps += 1
             self._good_steps = 0
             if self._dynamic:
                 self.loss_scale = max(self.loss_scale / 2.0, float(cfg.min_loss_scale))
