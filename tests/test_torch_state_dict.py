@@ -100,3 +100,12 @@ def test_a_step_skipped_for_a_nan_gradient_is_counted_and_logged(tmp_path, caplo
     after = infinity.full_state_dict(m)
     assert all(torch.equal(before[k], after[k]) for k in before)
     infinity.close(m)
+
+
+def test_unit_classes_that_match_no_module_are_refused():
+    """A misspelt unit class left the whole model in the root unit (nothing
+    offloaded), silently."""
+    cfg = infinity.Config(**base_config(offload_params="host", offload_optimizer="host", device_memory=1 << 20,
+                                        unit_classes=["NoSuchClass"]))
+    with pytest.raises(ValueError, match=r"unit_classes: \['NoSuchClass'\] match no module.*Linear"):
+        infinity.initialize(model(), cfg, lr=1e-2)

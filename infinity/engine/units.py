@@ -173,4 +173,19 @@ def partition(model: nn.Module, unit_classes: Optional[Sequence[Union[str, type]
                 visit(q, child)
 
     visit("", model)
+    if unit_classes:
+        _check_classes_match(model, unit_classes)
     return found
+
+
+def _check_classes_match(model: nn.Module, classes: Sequence[Union[str, type]]) -> None:
+    """Each of ``Config.unit_classes`` must match some module: one that
+    matches none (a misspelt name) left the whole model in the root unit,
+    nothing offloaded, silently."""
+    mods = list(model.modules())
+    unmatched = [c for c in classes if not any(_matches(m, [c]) for m in mods)]
+    if unmatched:
+        names = sorted({type(m).__name__ for m in mods})
+        show = [c if isinstance(c, str) else c.__name__ for c in unmatched]
+        raise ValueError(f"Config.unit_classes: {show} match no module of the model; its module classes are "
+                         f"{names[:20]}{' ...' if len(names) > 20 else ''}")
