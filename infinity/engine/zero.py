@@ -62,6 +62,7 @@ gloo with CPU tensors ``Work.wait()`` is already a host wait.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 from typing import Callable, Dict, Optional, Tuple
 
@@ -91,6 +92,10 @@ def backend_serves_cpu(backend: str) -> bool:
 
 
 _HOST_GROUPS: Dict[object, object] = {}  # device group -> the gloo group made for its CPU tensors
+# Dropped while the interpreter is whole: a gloo group freed during its
+# teardown (after destroy_process_group, only this cache held it) could
+# abort the process ("terminate called without an active exception").
+atexit.register(_HOST_GROUPS.clear)
 
 
 def _live(pg) -> bool:
