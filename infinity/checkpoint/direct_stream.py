@@ -29,6 +29,14 @@ DEPTH = 4        # blocks being written at once (and one more being filled)
 _ALIGN = 4096
 
 
+def _close_maps(maps) -> None:
+    for m in maps:
+        try:
+            m.close()
+        except BufferError:
+            pass  # a view still alive (an aborted transfer): the mapping goes with it
+
+
 class DirectStream:
     """Appends bytes to a new file at ``path`` (created 0600, never an
     existing one): :meth:`write` copies from tensors, :meth:`close` writes
@@ -117,11 +125,7 @@ class DirectStream:
             os.close(self._fd)
             self._fd = -1
             self._bufs = []
-            for m in self._maps:
-                try:
-                    m.close()
-                except BufferError:
-                    pass  # a view still alive (an aborted write): the mapping goes with it
+            _close_maps(self._maps)
 
 
 class DirectReader:
@@ -190,12 +194,10 @@ class DirectReader:
     def close(self) -> None:
         if self._fd < 0:
             return
-        self._pool.shutdown(wait=True)
-        os.close(self._fd)
-        self._fd = -1
-        self._bufs = []
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:
-                pass
+        try:
+            self._pool.shutdown(wait=True)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+            self._bufs = []
+            _close_maps(self._maps)

@@ -22,7 +22,7 @@ import torch
 from ..config import parse_bytes
 from . import layout
 from .load import _Files, read_manifest
-from .safetensors_io import ShardWriter, nbytes
+from .safetensors_io import ShardWriter, split_shards
 
 __all__ = ["export_pretrained", "consolidate", "INDEX_NAME"]
 
@@ -49,15 +49,7 @@ def _write_hf(out_dir: str, items: Sequence[Source], dtype: torch.dtype, max_sha
     """Writes ``items`` (name, stored dtype, shape, source) as HF shards; returns the files."""
     limit = parse_bytes(max_shard_size, "max_shard_size")
     entries = [(n, dtype if d.is_floating_point else d, s, src) for n, d, s, src in items]
-    shards, cur, size = [], [], 0
-    for e in entries:
-        n = nbytes(e[1], e[2])
-        if cur and size + n > limit:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(e)
-        size += n
-    shards = shards + [cur] if cur or not shards else shards
+    shards = split_shards(entries, limit)
     os.makedirs(out_dir, exist_ok=True)
     part = os.path.join(out_dir, ".export.partial")
     shutil.rmtree(part, ignore_errors=True)

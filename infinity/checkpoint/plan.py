@@ -147,6 +147,7 @@ class UnitReader:
 
     def slice(self, u, kind: str, s) -> torch.Tensor:
         key = (u.index, kind)
+        self._units.setdefault(key, u)
         if self._key != key:
             self._buf = None  # freed before the next one is read
             self._buf = self._take(key)
@@ -167,10 +168,7 @@ class UnitReader:
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinity-ckpt-state")
-        return self._pool.submit(self.eng.read, self._units.get(key) or self._unit(key), key[1])
-
-    def _unit(self, key: tuple):
-        return self.eng.units[key[0]]
+        return self._pool.submit(self.eng.read, self._units[key], key[1])
 
     def _read_next(self, key: tuple) -> None:
         try:

@@ -22,7 +22,7 @@ import torch
 from ..io.engine import crc32c
 from .direct_stream import DirectStream
 
-__all__ = ["DTYPES", "Entry", "nbytes", "ShardWriter", "read_tensor", "read_header", "CorruptCheckpointError"]
+__all__ = ["DTYPES", "Entry", "nbytes", "split_shards", "ShardWriter", "read_tensor", "read_header", "CorruptCheckpointError"]
 
 DTYPES: Dict[torch.dtype, str] = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -46,6 +46,20 @@ def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
     for d in shape:
         n *= int(d)
     return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def split_shards(entries: Sequence[Tuple], limit: int) -> List[List[Tuple]]:
+    """``entries`` (name, dtype, shape, ...) in order, cut into runs of at most
+    ``limit`` bytes (a larger tensor alone); at least one run."""
+    shards, cur, size = [], [], 0
+    for e in entries:
+        n = nbytes(e[1], e[2])
+        if cur and size + n > limit:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        size += n
+    return shards + [cur] if cur or not shards else shards
 
 
 class ShardWriter:

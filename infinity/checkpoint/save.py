@@ -26,14 +26,14 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 
 from ..config import format_bytes
 from . import layout, rng
 from .plan import Plan, plan_checkpoint
-from .safetensors_io import ShardWriter, nbytes
+from .safetensors_io import ShardWriter, split_shards
 
 __all__ = ["save_checkpoint", "CheckpointSpaceError", "MAX_SHARD_BYTES"]
 
@@ -155,7 +155,7 @@ def _write_files(eng, plan: Plan, folder: Optional[str], records: Dict[str, dict
     """The shards' writing loop of :func:`_write_all`; the first write error, or None."""
     failed: Optional[OSError] = None
     for prefix, items in (("model", plan.model_items), ("optimizer", plan.optim_items)):
-        shards = _split([(n, d, s) for n, d, s, _ in items], MAX_SHARD_BYTES)
+        shards = split_shards([(n, d, s) for n, d, s, _ in items], MAX_SHARD_BYTES)
         it = iter(items)
         for k, entries in enumerate(shards):
             fname = f"{prefix}-{k + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -189,18 +189,6 @@ def eng_guarded(eng, source):
     """A tensor from the engine's tiers (``source()``); a fault reading it fails the engine."""
     with eng.faults.guard("infinity.save_checkpoint() (reading the state)"):
         return source()
-
-
-def _split(entries: List[Tuple], limit: int) -> List[List[Tuple]]:
-    shards, cur, size = [], [], 0
-    for e in entries:
-        n = nbytes(e[1], e[2])
-        if cur and size + n > limit:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(e)
-        size += n
-    return shards + [cur] if cur or not shards else shards
 
 
 def _manifest_head(eng, optimizer, plan: Plan, lr_scheduler, extra, step: int, exclude_frozen: bool) -> dict:
