@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import atexit
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
+from . import sysinfo
 from .config import Config
 from .engine.core import Engine
 from .engine.hooks import install_hooks
+from .engine.faults import UsageError
 from .engine.optimizer import InfinityOptimizer
-from .engine.state_dict import install_state_dict_hooks
+from .engine.param_guard import ParamGuard
+from .engine.state_dict import install_model_methods, install_state_dict_hooks, remove_model_methods
 from .engine.torch_guards import install_torch_guards
 from .optim.functional import check_hyperparameters
 from .signals import install_sigterm_handler
@@ -30,7 +34,7 @@ def _close_all() -> None:
     # settle their collectives and remove their swap files.
     for model in list(_ENGINES.keys()):
         try:
-            close(model)
+            close(model, keep_values=False)
         except Exception:
             pass
 
@@ -67,6 +71,7 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
     _check_args(model, config, optimizer_kwargs)
     defaults = _defaults(optimizer_kwargs)
     _check_dtypes(model)
+    _check_modules(model)
     groups = _build_groups(model, param_groups, defaults)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
 
@@ -84,8 +89,10 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
         raise ValueError("initialize: the model has no trainable parameters")
     optimizer = InfinityOptimizer(engine, groups, defaults)
     hooks = install_hooks(engine)
-    hooks.handles += install_state_dict_hooks(model, engine)  # [Note: state_dict of a managed model]
-    engine.attach(optimizer, hooks)
+    guard = ParamGuard(engine)  # [Note: parameters outside forward]
+    hooks.handles += install_state_dict_hooks(model, engine, guard)  # [Note: state_dict of a managed model]
+    install_model_methods(model, engine, guard)
+    engine.attach(optimizer, hooks, guard)
     _ENGINES[model] = engine
     install_sigterm_handler()  # [Note: SIGTERM]: the atexit close above then runs
     install_torch_guards(lambda: list(_ENGINES.values()))  # [Note: gradients torch cannot see]
@@ -121,6 +128,23 @@ def _check_dtypes(model: nn.Module) -> None:
         if p.dtype != torch.float32 and p.device.type != "meta":
             raise TypeError(f"initialize: parameter {name!r} has dtype {p.dtype}; give the model in float32 "
                             "(infinity keeps an fp32 master copy and casts the compute copy to Config.dtype)")
+
+
+def _check_modules(model: nn.Module) -> None:
+    """Raises UsageError for what infinity cannot page: sparse gradients, and
+    buffers on the meta device in a model not built under ``infinity.init``."""
+    from .lazy_init import recorder_of
+    for name, mod in model.named_modules():
+        if getattr(mod, "sparse", False) is True and isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+            raise UsageError(f"initialize: {name or 'the model'} ({type(mod).__name__}) has sparse=True: its "
+                             "gradients would be sparse tensors, which infinity's dense gradient buffers do not "
+                             "take. Build it with sparse=False")
+    if recorder_of(model) is None:
+        for name, b in model.named_buffers():
+            if b.is_meta:
+                raise UsageError(f"initialize: buffer {name!r} is on the meta device, so it has no values to "
+                                 "give. Build the model under `with infinity.init(config):` (which records and "
+                                 "materialises buffers too), or with real buffers")
 
 
 def _build_groups(model: nn.Module, param_groups: Optional[List[dict]], defaults: Dict[str, Any]) -> List[dict]:
@@ -245,12 +269,68 @@ def _full_state_dict(model: nn.Module, eng: Engine) -> Dict[str, torch.Tensor]:
     return out
 
 
-def close(model: nn.Module) -> None:
+def close(model: nn.Module, *, keep_values: bool = True) -> None:
     """Releases ``model``'s engine: stops its threads, removes its swap files
     and its lock. Always tears down, also after a fault (errors met on the way
-    are warned about, not raised); safe to call again. The model cannot train
-    after this."""
+    are warned about, not raised); safe to call again.
+
+    With ``keep_values`` (the default) the model is an ordinary model after
+    this: every parameter holds its final value as an fp32 CPU tensor (the
+    master copy; frozen ones their compute copy), so it can be evaluated,
+    saved, merged (PEFT) or given to ``initialize`` again. Where that would
+    not fit in RAM (or the engine failed, or ``keep_values=False``) the
+    parameters are left on the meta device, so reading any result raises
+    instead of computing with stand-ins: save first (``save_checkpoint`` /
+    ``export_pretrained``). Under ZeRO every rank calls it.
+    """
     eng = _ENGINES.pop(model, None)
-    if eng is not None:
-        eng.hooks.remove()
-        eng.close()
+    if eng is None:
+        return
+    values = _final_values(model, eng, keep_values)
+    eng.hooks.remove()
+    remove_model_methods(model)
+    eng.guard.release()
+    for u in eng.units:
+        for i, s in enumerate(u.layout.slots):
+            v = values.get((u.index, i)) if values is not None else None
+            if v is not None:
+                s.param.data = v
+            else:  # a CPU parameter cannot take meta data in place: swap the whole tensor
+                torch.utils.swap_tensors(s.param, nn.Parameter(torch.empty(s.shape, device="meta"),
+                                                               requires_grad=s.param.requires_grad))
+    eng.optimizer.closed = True
+    eng.close()
+
+
+def _final_values(model: nn.Module, eng: Engine, keep: bool) -> Optional[Dict[Tuple[int, int], torch.Tensor]]:
+    """Every parameter's final fp32 value by (unit, slot), or None (with a warning) where it cannot be kept."""
+    if not keep:
+        return None
+    need = sum(s.numel * 4 for u in eng.units for s in u.layout.slots)
+    reason = None
+    if eng.faults.failed:
+        return None  # the fault was raised to the user already; nothing of it is served
+    if need > 0.8 * sysinfo.available_ram():
+        reason = f"they take {need} bytes in fp32, more than 80% of the RAM this process may still use"
+    if reason is None:
+        try:
+            eng.optimizer.flush()
+            with torch.no_grad(), eng.faults.guard("infinity.close()"):
+                return _read_all(eng)
+        except Exception as e:  # noqa: BLE001 - the teardown goes on; the user is told below
+            reason = f"reading them failed ({type(e).__name__}: {e})"
+    warnings.warn(f"infinity.close: the parameters are left on the meta device ({reason}); save with "
+                  "infinity.save_checkpoint or infinity.export_pretrained before close to keep them",
+                  RuntimeWarning, stacklevel=3)
+    return None
+
+
+def _read_all(eng: Engine) -> Dict[Tuple[int, int], torch.Tensor]:
+    out = {}
+    for u in eng.units:
+        master = eng.read(u, "master") if u.place.trainable else None
+        compute = eng.read(u, "compute") if any(not s.trainable for s in u.layout.slots) else None
+        for i, s in enumerate(u.layout.slots):
+            src = master if s.trainable else compute
+            out[(u.index, i)] = src[s.offset:s.offset + s.numel].view(s.shape).to("cpu", torch.float32, copy=True)
+    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 __all__ = ["MemoryLimit", "cgroup_limit", "available_ram", "describe"]
 
@@ -116,3 +116,24 @@ def describe() -> str:
         text += (f", cgroup limit {format_bytes(lim.limit)} ({lim.path}) of which {format_bytes(lim.usage)} "
                  "in use")
     return text
+
+
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def mount_of(path: str, mounts: str = "/proc/mounts") -> Tuple[str, str, str]:
+    """``(mount point, filesystem type, options)`` of the mount holding ``path``."""
+    real = os.path.realpath(path)
+    best = ("/", "?", "")
+    try:
+        with open(mounts) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                mp = parts[1].replace("\\040", " ")
+                if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best[0]):
+                    best = (mp, parts[2], parts[3])
+    except OSError:
+        pass
+    return best

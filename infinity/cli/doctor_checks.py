@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from ..config import format_bytes
+from ..sysinfo import mount_of
 from ..io.swap_dir import LOCK_NAME
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -65,24 +66,6 @@ def check_path(path: str) -> Tuple[List[Check], Optional[str]]:
     missing = os.path.relpath(p, anc)
     return [Check(path, "path", WARN, f"missing; infinity will create it ('{missing}' under '{anc}')",
                   f"mkdir -m 700 -p '{p}' beforehand to pin down its owner and mode")], anc
-
-
-def mount_of(path: str, mounts: str = "/proc/mounts") -> Tuple[str, str, str]:
-    """``(mount point, filesystem type, options)`` of the mount holding ``path``."""
-    real = os.path.realpath(path)
-    best = ("/", "?", "")
-    try:
-        with open(mounts) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 4:
-                    continue
-                mp = parts[1].replace("\\040", " ")
-                if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best[0]):
-                    best = (mp, parts[2], parts[3])
-    except OSError:
-        pass
-    return best
 
 
 def check_fs(path: str, where: str) -> List[Check]:

@@ -74,7 +74,7 @@ class Engine:
         Values(self).initialize(model)
         # See [Note: saved tensors follow their unit]; units that never move need no hooks.
         self.saved = None if self.modes.params_on_device else SavedTensorRouter(self)
-        self.schedule = self.optimizer = self.hooks = None  # see attach()
+        self.schedule = self.optimizer = self.hooks = self.guard = None  # see attach()
         self.values_version = 0  # bumped whenever parameter values change (values_changed, after_step)
         self._pass_pins: list = []
         self._in_pass = self.pass_grad = self._relayout = self._closed = False
@@ -175,10 +175,13 @@ class Engine:
 
     # -- wiring ------------------------------------------------------------------------------
 
-    def attach(self, optimizer, hooks) -> None:
-        """The optimizer (its schedule runs the updates) and the installed hooks."""
+    def attach(self, optimizer, hooks, guard) -> None:
+        """The optimizer (its schedule runs the updates), the installed hooks
+        and the parameters' guard (armed from now on between passes)."""
         self.optimizer, self.hooks, self.schedule = optimizer, hooks, optimizer.schedule
         self.cache.wait_update = self.schedule.wait_one  # the ladder's fourth rung
+        self.guard = guard
+        guard.arm()
 
     # -- forward fetch ----------------------------------------------------------------------
 
@@ -269,6 +272,10 @@ class Engine:
     @property
     def in_pass(self) -> bool:
         return self._in_pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     # -- gradients out -------------------------------------------------------------------------
 

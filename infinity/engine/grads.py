@@ -56,6 +56,7 @@ class Gradients:
         self._reducing: list = []     # stages 2-3: units whose full gradients are being reduced
         self.window_closed = False    # See [Note: the accumulation window] in schedule.py
         self.micro_batches = 0        # backward passes since the last step
+        self.need_zero_grad = False   # step() ran and zero_grad() did not since
         # Gradient buffers in the compute dtype have the size of compute copies,
         # not of fp32 state: they come from the same end of the pool as the
         # copies, so each size class's holes fit its own later requests.
@@ -82,10 +83,12 @@ class Gradients:
         self.micro_batches += 1
         self.window_closed = self.window_closed or window_closed
 
-    def open_window(self) -> None:
-        """A new accumulation window (after ``step()`` or ``zero_grad()``)."""
+    def open_window(self, stepped: bool = False) -> None:
+        """A new accumulation window: after ``step()`` (``stepped``: torch
+        would keep the gradients until ``zero_grad()``) or ``zero_grad()``."""
         self.micro_batches = 0
         self.window_closed = False
+        self.need_zero_grad = stepped
 
     # -- off the device ---------------------------------------------------------------
 
@@ -102,6 +105,12 @@ class Gradients:
             return False
         if self.window_closed:
             raise self._window_error()
+        if self.need_zero_grad:
+            raise UsageError(
+                "backward() after optimizer.step() without optimizer.zero_grad() (or model.zero_grad()) in "
+                "between: torch would add this backward's gradients to the last step's, but infinity frees "
+                "the gradients at step(). Call optimizer.zero_grad() after each step(); to accumulate over "
+                "micro-batches, call step() once every Config.grad_accumulation_steps backward() calls")
         p.grad = None
         rec, s = u.grads, u.layout.trainable_slots[ti]
         if rec.grad is None:  # a transient buffer until the update (NVMe state, ZeRO 2-3)

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from .core import Engine
+from .faults import UsageError
 from .units import Unit
 
 __all__ = ["install_hooks"]
@@ -161,6 +162,13 @@ def _params_in(args, kwargs):
                     yield b
 
 
+def _refuse_unsupported_modes() -> None:
+    """Forward modes whose tensors infinity cannot page: refused before anything changes."""
+    if torch.is_inference_mode_enabled():
+        raise UsageError("forward under torch.inference_mode() on a model managed by infinity: inference "
+                         "tensors cannot be written later, and infinity reuses its buffers. Use torch.no_grad()")
+
+
 class Hooks:
     """Installed hooks of one engine (removable)."""
 
@@ -181,6 +189,11 @@ class Hooks:
             for ti, s in enumerate(u.layout.trainable_slots):
                 self.handles.append(s.param.register_post_accumulate_grad_hook(self._make_grad_hook(u, ti)))
 
+    @property
+    def in_unit_call(self) -> bool:
+        """A unit's forward runs (its pre-hook ran, its forward hook not yet)."""
+        return bool(self._calls)
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
@@ -190,8 +203,10 @@ class Hooks:
 
     def _root_pre(self, module, args):
         eng = self.engine
+        _refuse_unsupported_modes()
         with eng.faults.guard("forward"):
             eng.begin_pass(torch.is_grad_enabled())
+        eng.guard.disarm()  # See [Note: parameters outside forward].
         if not eng.trace.has_trace and self._watcher is None:
             self._watcher = _Watcher(eng)
             self._watcher.__enter__()
@@ -200,6 +215,7 @@ class Hooks:
     def _root_post(self, module, args, output):
         # Also runs when forward raised (output None then): the pass ends.
         eng = self.engine
+        eng.guard.arm()
         if self._watcher is not None:
             w, self._watcher = self._watcher, None
             w.__exit__(None, None, None)

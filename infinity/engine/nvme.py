@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import sysinfo
 from ..io.swap_dir import make_dir, remove_own_dir
 from ..io.swap_store import SwapStore
 from .faults import with_retries
@@ -68,6 +70,7 @@ class NvmeTier:
         except BaseException:
             self._remove_made()
             raise
+        _warn_if_ram_backed(paths)
         self.stats = stats
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
@@ -169,3 +172,13 @@ class RetryingHandle:
                     self._submit = None  # it holds the transfer's tensor: not one byte longer than needed
         if self._error is not None:
             raise self._error
+
+
+def _warn_if_ram_backed(paths: Sequence[str]) -> None:
+    """A swap path on tmpfs or ramfs holds the "NVMe" tier in RAM: said once per path."""
+    for p in paths:
+        mp, fstype, _ = sysinfo.mount_of(p)
+        if fstype in sysinfo.RAM_FILESYSTEMS:
+            warnings.warn(f"infinity: swap path {p!r} is on {fstype} (mounted at {mp}), a RAM-backed filesystem: "
+                          "the NVMe tier there takes RAM, not disk. Put Config.swap_paths on a local NVMe/SSD "
+                          "filesystem (ext4, xfs); `infinity doctor` checks a path", RuntimeWarning, stacklevel=4)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -23,6 +24,7 @@ import torch
 import torch._dynamo  # noqa: F401,E402
 
 from ..optim.functional import check_hyperparameters
+from .faults import UsageError
 from .schedule import make_schedule
 from .update import Updater, written_runs
 
@@ -40,9 +42,16 @@ class InfinityOptimizer(torch.optim.Optimizer):
     the step on overflow and adjusts the scale (see :attr:`loss_scale`).
     """
 
+    # torch.amp.GradScaler hands itself to step() (grad_scaler=), which refuses it: see step().
+    _step_supports_amp_scaling = True
+
     def __init__(self, engine, param_groups: List[dict], defaults: dict):
         self.engine = engine
+        self.closed = False  # infinity.close(model) was called
+        self._built = False
         super().__init__(param_groups, defaults)
+        self._built = True
+        self._scaled = self._warned_unscaled = False
         cfg = engine.config
         self.max_grad_norm = cfg.max_grad_norm
         self.fp16 = cfg.dtype == "fp16"
@@ -59,12 +68,34 @@ class InfinityOptimizer(torch.optim.Optimizer):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (1 unless dtype is fp16)."""
+        self._scaled = True
         return loss * self.loss_scale if self.fp16 else loss
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused after construction: the groups' parameters are placed at ``initialize``."""
+        if not self._built:
+            return super().add_param_group(param_group)
+        raise UsageError("optimizer.add_param_group after infinity.initialize: each parameter's optimizer "
+                         "state is placed at initialize. Pass every group to initialize(model, cfg, "
+                         "param_groups=[...]); a group's lr and other hyper-parameters may change at any time")
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise UsageError(f"optimizer.{what} after infinity.close(model): the engine is gone; initialize "
+                             "the model again to go on training")
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         """Updates every unit; returns when each unit's new compute copy is in
         its home tier (delayed mode: when this step's update is queued)."""
+        self._check_open("step()")
+        # Newer GradScalers set grad_scale/found_inf on the optimizer instead of passing themselves.
+        if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:
+            raise UsageError(
+                "torch.amp.GradScaler with infinity: the gradients go to infinity's tiers, where the scaler "
+                "cannot unscale or check them. Use infinity.Config(dtype='fp16') (dynamic loss scaling by "
+                "default) and optimizer.scale_loss(loss).backward() instead of scaler.scale(loss).backward()")
+        self._warn_unscaled()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -76,10 +107,18 @@ class InfinityOptimizer(torch.optim.Optimizer):
             if eng.in_pass and eng.pass_grad:
                 eng.end_pass()  # step() without a finished backward: release the pass
             self.schedule.step(self)
-        eng.gradients.open_window()
+        eng.gradients.open_window(stepped=True)
         eng.after_step()
         eng.stats.end_step_window()
         return loss
+
+    def _warn_unscaled(self) -> None:
+        if self.fp16 and self.loss_scale != 1.0 and not self._scaled and not self._warned_unscaled:
+            self._warned_unscaled = True
+            warnings.warn("infinity: dtype='fp16' but the loss was not scaled: fp16 gradients of small values "
+                          "underflow to 0, and each step is unscaled by the loss scale. Call "
+                          "optimizer.scale_loss(loss).backward()", RuntimeWarning, stacklevel=3)
+        self._scaled = False
 
     def global_scale(self, units_grads) -> Tuple[bool, float]:
         """(skip, grad_scale): unscaling, clipping and the fp16 overflow check
@@ -148,6 +187,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forgets accumulated gradients (the buffers are overwritten by the
         next backward rather than zeroed)."""
+        self._check_open("zero_grad()")
         with self.engine.faults.guard("optimizer.zero_grad()"):
             self.schedule.zero_grad()
         for u in self.engine.units:

@@ -103,6 +103,10 @@ class StepSchedule:
 
         return run
 
+    def updates_in_flight(self) -> bool:
+        """True between a backward that started updates (overlap="backward") and ``step()``."""
+        return bool(self._running)
+
     def wait_one(self) -> bool:
         """Waits for the oldest update in flight (which frees its buffers). True if one was waited for."""
         for t in self._running.values():

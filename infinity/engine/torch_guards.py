@@ -8,7 +8,8 @@ clip nothing and return a norm of 0, silently. So ``initialize`` wraps
 ``clip_grad_norm_`` and ``clip_grad_value_`` once: called with any managed
 parameter they raise, naming ``Config.max_grad_norm`` (clipping over all
 units before any update; the norm is ``optimizer.last_grad_norm``). Other
-parameters go to torch's own functions unchanged.
+parameters go to torch's own functions unchanged. ``torch.compile`` of a
+managed model raises the same way (see ``_guard_compile``).
 """
 
 from __future__ import annotations
@@ -43,11 +44,29 @@ def _guard(fn, what: str, engines_of):
     return wrapper
 
 
+def _guard_compile(fn, engines_of):
+    """``torch.compile`` of a managed model (or of its bound ``_call_impl``,
+    which ``nn.Module.compile`` compiles) raises: dynamo would trace into the
+    paging hooks, whose parameter swaps a graph cannot hold."""
+    @functools.wraps(fn)
+    def wrapper(model=None, *args, **kwargs):
+        target = getattr(model, "__self__", model)
+        if any(eng.model is target for eng in engines_of()):
+            raise UsageError(
+                "torch.compile of a model managed by infinity: its hooks page parameters in and out between "
+                "modules, which a compiled graph cannot follow. Train it uncompiled")
+        return fn(model, *args, **kwargs)
+    wrapper.__infinity_guard__ = True
+    return wrapper
+
+
 def install_torch_guards(engines_of) -> None:
-    """Wraps torch's gradient clipping once (``engines_of()``: the live engines)."""
+    """Wraps torch's gradient clipping and ``torch.compile`` once (``engines_of()``: the live engines)."""
     global _installed
     if _installed:
         return
+    if not getattr(torch.compile, "__infinity_guard__", False):
+        torch.compile = _guard_compile(torch.compile, engines_of)
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_grad
     for name in ("clip_grad_norm_", "clip_grad_value_"):

@@ -87,16 +87,47 @@ def _recording_into(rec: Recorder) -> Iterator[None]:
         setattr(nn_init, name, _recording(rec, fn))
     get_state = torch.get_rng_state
     torch.get_rng_state = torch.random.get_rng_state = _refuse_get_rng_state
+    hf_restore = _hf_init_on_meta()
     _ACTIVE.rec = rec
     try:
         yield
     finally:
         _ACTIVE.rec = None
+        hf_restore()
         torch.get_rng_state = torch.random.get_rng_state = get_state
         for name, fn in originals.items():
             setattr(nn_init, name, fn)
         for h in handles:
             h.remove()
+
+
+def _hf_init_on_meta() -> Callable[[], None]:
+    """Hugging Face models skip their own ``_init_weights`` when built on
+    the meta device (``PreTrainedModel.init_weights`` checks the default
+    device), which would leave every tensor at torch's module defaults
+    instead of the model's initialisation. For the context's duration
+    ``init_weights`` runs it (the draws are recorded and replayed like any
+    other), at the same point of construction as an eager build. Returns
+    the function that restores the original. Only when transformers is
+    already imported: the context never imports it."""
+    import sys
+    mu = sys.modules.get("transformers.modeling_utils")
+    cls = getattr(mu, "PreTrainedModel", None)
+    if cls is None or not hasattr(cls, "initialize_weights"):
+        return lambda: None
+    original = cls.__dict__["init_weights"]
+
+    def init_weights(self):
+        self.initialize_weights()
+        self.tie_weights(recompute_mapping=False)
+
+    init_weights.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.init_weights = init_weights
+
+    def restore() -> None:
+        cls.init_weights = original
+
+    return restore
 
 
 def _refuse_get_rng_state() -> torch.Tensor:

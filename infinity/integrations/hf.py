@@ -1,0 +1,116 @@
+"""Hugging Face ``transformers.Trainer`` on a model managed by infinity.
+
+``InfinityTrainer`` is a ``Trainer`` whose model is handed to
+``infinity.initialize`` before the Trainer sees it. The changes to the
+Trainer's loop are the ones infinity needs:
+
+- the optimizer is infinity's AdamW, with the Trainer's own hyper-parameters
+  (``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay``,
+  none on biases and norms, as the Trainer does) and any LR scheduler the
+  Trainer builds;
+- clipping is ``Config.max_grad_norm`` (from ``args.max_grad_norm`` when the
+  config leaves it unset), over all units before any update; the logged
+  ``grad_norm`` is the norm infinity measured (``optimizer.last_grad_norm``),
+  not torch's ``clip_grad_norm_`` over ``p.grad`` (None on managed parameters);
+- checkpoints keep the Trainer's folder layout; the optimizer, scheduler and
+  fp32 master state go through ``infinity.save_checkpoint`` into
+  ``checkpoint-N/infinity/`` (streamed unit by unit, crash-safe), and
+  ``resume_from_checkpoint`` loads it with ``infinity.load_checkpoint``;
+- the model is not moved: its parameters live in infinity's tiers
+  (``Config.device``), and mixed precision is ``Config.dtype``, so the
+  Trainer's ``fp16``/``bf16`` flags are refused.
+
+See docs/huggingface.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from transformers import Trainer
+from transformers.trainer_pt_utils import get_parameter_names
+
+from ..api import engine_of, initialize
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..config import Config
+from ..engine.faults import UsageError
+
+__all__ = ["InfinityTrainer", "CHECKPOINT_SUBDIR"]
+
+CHECKPOINT_SUBDIR = "infinity"  # inside the Trainer's checkpoint-N folder
+
+
+class InfinityTrainer(Trainer):
+    """``transformers.Trainer`` over infinity; takes the Trainer's arguments
+    plus ``infinity_config`` (an :class:`infinity.Config`; default ``Config()``)."""
+
+    def __init__(self, model=None, args=None, *, infinity_config: Optional[Config] = None, **kwargs):
+        if args is None:
+            raise UsageError("InfinityTrainer: give args=TrainingArguments(...)")
+        if args.fp16 or args.bf16:
+            raise UsageError("InfinityTrainer: TrainingArguments(fp16/bf16) would autocast on top of infinity's "
+                             "own precision; set infinity.Config(dtype='bf16' or 'fp16') instead")
+        if "optimizers" in kwargs or "optimizer_cls_and_kwargs" in kwargs:
+            raise UsageError("InfinityTrainer: the optimizer is infinity's AdamW; set its hyper-parameters in "
+                             "TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, weight_decay)")
+        cfg = infinity_config if infinity_config is not None else Config()
+        if cfg.max_grad_norm is None and args.max_grad_norm and args.max_grad_norm > 0:
+            cfg = dataclasses.replace(cfg, max_grad_norm=float(args.max_grad_norm))
+        model, optimizer = initialize(model, cfg, param_groups=_decay_groups(model, args.weight_decay),
+                                      lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                      eps=args.adam_epsilon, weight_decay=args.weight_decay)
+        self.infinity_optimizer = optimizer
+        super().__init__(model=model, args=args, optimizers=(optimizer, None), **kwargs)
+        # Accelerate would round-trip the optimizer's whole state through its
+        # state_dict to "place" it, and move the model: neither applies here.
+        self.accelerator.device_placement = False
+
+    # -- gradients: clipped and measured by infinity -------------------------------------------
+
+    def _clip_grad_norm(self, model):
+        return None  # Config.max_grad_norm clips inside optimizer.step()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # known after step(); logged in _maybe_log_save_evaluate
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        return super()._maybe_log_save_evaluate(tr_loss, self.infinity_optimizer.last_grad_norm, *args, **kwargs)
+
+    # -- checkpoints through infinity ----------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), self.model, self.infinity_optimizer,
+                        lr_scheduler=self.lr_scheduler, step=self.state.global_step, keep_last=1)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
+        if not os.path.isdir(path):
+            raise UsageError(f"InfinityTrainer: {path} does not exist: resume_from_checkpoint needs a checkpoint "
+                             "written by InfinityTrainer (its optimizer and fp32 master state)")
+        load_checkpoint(path, self.model, self.infinity_optimizer, lr_scheduler=self.lr_scheduler)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        return None  # fp16's loss scale is in infinity's checkpoint
+
+    def _load_scaler(self, checkpoint) -> None:
+        return None
+
+    @property
+    def infinity_engine(self):
+        """The engine managing the model (``infinity.stats(trainer.model)`` reads its counters)."""
+        return engine_of(self.model)
+
+
+def _decay_groups(model, weight_decay: float) -> list:
+    """The Trainer's two groups: weight decay except on biases and norms."""
+    forbidden = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    import torch.nn as nn
+    decay = set(get_parameter_names(model, [nn.LayerNorm], forbidden))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
