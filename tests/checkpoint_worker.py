@@ -60,3 +60,43 @@ def _run_case(rank, world, case, out_dir, which, k) -> None:
     if rank == 0:
         torch.save({"losses": losses, "state": full}, os.path.join(out_dir, f"{name}-{which}.pt"))
     infinity.close(model)
+
+
+def state_dict_phase(rank: int, world: int, rdzv: str, stages: list, out_dir: str) -> None:
+    """Issue 23 under ZeRO: ``model.state_dict()`` and ``load_state_dict()``
+    called on every rank give and take the true values; one parameter read
+    outside forward under ZeRO-3 raises naming state_dict(). Rank 0 writes
+    ``sd-{stage}.pt``: the state dict after a step, the full state dict after
+    loading, and whether the read raised."""
+    torch.set_num_threads(1)
+    _init(rank, world, rdzv)
+    try:
+        for stage in stages:
+            cfg = infinity.Config(device="cpu", dtype="fp32", device_memory=8 * unit_bytes(small_gpt()),
+                                  host_memory="256MiB", zero_stage=stage, offload_params="host",
+                                  offload_optimizer="host", swap_paths=[os.path.join(out_dir, f"swap-sd{stage}")])
+            model, opt = infinity.initialize(small_gpt(), cfg, lr=1e-3)
+            x, y = batches(1, seed=0, b=GLOBAL_BATCH)[0]
+            model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+            after_step = model.state_dict()
+            master = infinity.full_state_dict(model)  # collective: every rank
+            other = small_gpt()
+            with torch.no_grad():
+                for p in other.parameters():
+                    p.mul_(-3.0)
+            model.load_state_dict(other.state_dict())
+            loaded = infinity.full_state_dict(model)
+            try:
+                next(model.parameters()).sum()
+                read_raised = False
+            except infinity.engine.faults.UsageError as e:
+                read_raised = "state_dict" in str(e)
+            if rank == 0:
+                torch.save({"after_step": after_step, "master": master, "loaded": loaded,
+                            "want": other.state_dict(), "read_raised": read_raised},
+                           os.path.join(out_dir, f"sd-{stage}.pt"))
+            infinity.close(model)
+    finally:
+        dist.destroy_process_group()

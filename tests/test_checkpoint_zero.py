@@ -56,3 +56,19 @@ def test_resharding_two_ranks_stage3_nvme_to_one_rank_host_and_back(tmp_path):
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, full["losses"])), (name, got, full["losses"])
         for k, v in full["state"].items():
             assert _close(rest["state"][k], v), (name, k)
+
+
+def test_state_dict_and_load_state_dict_on_two_ranks_every_stage(tmp_path):
+    """model.state_dict() / load_state_dict() under ZeRO (every rank calls
+    them, as with FSDP) give and take the true values (issue 23)."""
+    stages = [0, 1, 2, 3]
+    mp.spawn(checkpoint_worker.state_dict_phase, args=(2, str(tmp_path / "rdzv-sd"), stages, str(tmp_path)),
+             nprocs=2, join=True)
+    for stage in stages:
+        r = torch.load(tmp_path / f"sd-{stage}.pt")
+        for k, v in r["want"].items():
+            assert torch.equal(r["loaded"][k], v), (stage, k)
+        assert r["read_raised"] == (stage == 3), stage  # ZeRO-3: a single read would be a collective
+        assert r["after_step"].keys() == r["master"].keys()
+        for k, v in r["after_step"].items():  # fp32 compute copies: the masters themselves
+            assert torch.equal(v, r["master"][k]), (stage, k)

@@ -116,14 +116,16 @@ def logged(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def test_trainer_matches_the_plain_trainer_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_trainer_matches_the_plain_trainer_and_resumes_exactly(tmp_path, name):
+    build, unit = BUILDERS[name]
     torch.manual_seed(0)
-    plain = Trainer(model=llama(), args=training_args(tmp_path / "plain", save_strategy="no"),
+    plain = Trainer(model=build(), args=training_args(tmp_path / "plain", save_strategy="no"),
                     train_dataset=dataset())
     plain.train()
     torch.manual_seed(0)
-    ours = InfinityTrainer(model=llama(), args=training_args(tmp_path / "ours"), train_dataset=dataset(),
-                           infinity_config=config("LlamaDecoderLayer", tmp_path))
+    ours = InfinityTrainer(model=build(), args=training_args(tmp_path / "ours"), train_dataset=dataset(),
+                           infinity_config=config(unit, tmp_path))
     ours.train()
     assert logged(ours, "loss") == pytest.approx(logged(plain, "loss"), rel=1e-5)
     # The norm infinity measured (and clipped with), not torch's 0 over p.grad=None.
@@ -134,12 +136,17 @@ def test_trainer_matches_the_plain_trainer_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5, msg=k)
     ckpt = tmp_path / "ours" / "checkpoint-2"
     assert (ckpt / "infinity").is_dir() and (ckpt / "model.safetensors").is_file()
+    ours.save_model(str(tmp_path / "final"))
+    x = ids(9)
+    with torch.no_grad():
+        want = ours.model(input_ids=x).logits
+        assert torch.equal(type(ours.model).from_pretrained(tmp_path / "final")(input_ids=x).logits, want)
     want_tail = logged(ours, "loss")[2:]
     infinity.close(ours.model)
     # A new process's view: a fresh model and trainer, resumed from checkpoint-2.
     torch.manual_seed(123)
-    again = InfinityTrainer(model=llama(), args=training_args(tmp_path / "again"), train_dataset=dataset(),
-                            infinity_config=config("LlamaDecoderLayer", tmp_path))
+    again = InfinityTrainer(model=build(), args=training_args(tmp_path / "again"), train_dataset=dataset(),
+                            infinity_config=config(unit, tmp_path))
     again.train(resume_from_checkpoint=str(ckpt))
     assert logged(again, "loss")[-2:] == want_tail  # the history before holds the checkpoint's own steps
     infinity.close(again.model)

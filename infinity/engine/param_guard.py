@@ -229,6 +229,7 @@ class ParamGuard:
         self.eng = eng
         self.params = [s.param for u in eng.units for s in u.layout.slots]
         self.batch: Optional[Dict[int, Dict[int, torch.Tensor]]] = None  # load_state_dict: unit -> slot -> fp32
+        self.collective = 0  # state_dict() calls in progress: every rank reads alike
         self._key: Optional[tuple] = None
         self._buf: Optional[torch.Tensor] = None
         for p in self.params:
@@ -290,9 +291,18 @@ class ParamGuard:
     def clear(self) -> None:
         self._key, self._buf = None, None
 
+    def enter(self) -> None:
+        """A module's ``state_dict()`` starts (called on every rank alike)."""
+        self.collective += 1
+
+    def leave(self) -> None:
+        self.collective = max(0, self.collective - 1)
+        if not self.collective:
+            self.clear()
+
     def _check_readable(self, p) -> None:
         eng = self.eng
-        if eng.modes.zero == 3 and eng.sharding.world > 1:
+        if eng.modes.zero == 3 and eng.sharding.world > 1 and not self.collective:
             raise UsageError(
                 f"reading parameter {self.name(p)!r} outside forward under ZeRO-3 on {eng.sharding.world} ranks: "
                 "each rank holds a shard, so a read is a collective. Call model.state_dict() or "

@@ -36,15 +36,24 @@ RAM_FRACTION = 0.8  # of what the process may still use: above it, state_dict() 
 
 def install_state_dict_hooks(model: nn.Module, eng, guard: ParamGuard) -> list:
     """Registers the hooks of [Note: state_dict of a managed model]; returns their handles."""
-    handles = []
+    handles = [model.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: _begin(eng, guard, keep_vars))]
     for module in model.modules():
         if any(p is not None and id(p) in eng.param_slot for p in module._parameters.values()):
+            if module is not model:
+                handles.append(module.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: guard.enter()))
             handles.append(module.register_state_dict_post_hook(
                 lambda mod, sd, prefix, meta: _replace(mod, sd, prefix, eng, guard)))
             handles.append(module.register_load_state_dict_pre_hook(_refuse_assign))
-    handles.append(model.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: _check_room(eng, keep_vars)))
-    handles.append(model.register_state_dict_post_hook(lambda mod, sd, prefix, meta: guard.clear()))
+    if not any(id(p) in eng.param_slot for p in model._parameters.values() if p is not None):
+        handles.append(model.register_state_dict_post_hook(lambda mod, sd, prefix, meta: guard.leave()))
     return handles
+
+
+def _begin(eng, guard: ParamGuard, keep_vars: bool) -> None:
+    """The outermost state_dict() call: room checked, reads counted as collective from here."""
+    _check_room(eng, keep_vars)
+    guard.collective = 0  # a state_dict() that raised earlier left its count behind
+    guard.enter()
 
 
 def _replace(module: nn.Module, sd: dict, prefix: str, eng, guard: ParamGuard) -> None:
@@ -56,6 +65,7 @@ def _replace(module: nn.Module, sd: dict, prefix: str, eng, guard: ParamGuard) -
         eng.faults.check("model.state_dict()")
         v = v if type(v) is ValueCopy else guard.value(p)
         sd[key] = v.as_subclass(torch.Tensor).to("cpu")
+    guard.leave()
 
 
 def _check_room(eng, keep_vars: bool) -> None:
