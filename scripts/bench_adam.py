@@ -218,11 +218,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1e8,5e8", help="parameter counts, comma-separated (default 1e8,5e8)")
     ap.add_argument("--layouts", default="flat,chunked", help="flat and/or chunked (default both)")
-    ap.add_argument("--chunk", type=int, default=4 * 1024 * 1024, help="elements per tensor when chunked")
+    ap.add_argument("--chunk", type=int, default=4 * 1024 * 1024,
+                    help="elements per tensor in the chunked layout (default 4194304)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
-    ap.add_argument("--foreach-rounds", type=int, default=2, help="rounds that include torch foreach (slow)")
-    ap.add_argument("--threads", type=int, default=native.default_num_threads())
-    ap.add_argument("--json", default="bench-results/bench_adam.json", help="where to write the JSON results")
+    ap.add_argument("--foreach-rounds", type=int, default=2,
+                    help="first rounds that include torch foreach (slow; default 2)")
+    ap.add_argument("--threads", type=int, default=native.default_num_threads(),
+                    help="CPU threads for every method, ours and torch's (default here: %(default)s)")
+    ap.add_argument("--json", default="bench-results/bench_adam.json",
+                    help="where to write the JSON results (default %(default)s)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)  # torch's kernels get the same cores as ours

@@ -171,12 +171,15 @@ def report(raw, rows) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--embd", type=int, default=1024)
-    ap.add_argument("--host", default="2GiB")
-    ap.add_argument("--dir", default="infinity-bench-ckpt")
-    ap.add_argument("--placements", default="host,nvme")
-    ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--layers", type=int, default=12, help="GPT blocks (default 12)")
+    ap.add_argument("--embd", type=int, default=1024, help="embedding width, a multiple of 16 (heads) (default 1024)")
+    ap.add_argument("--host", default="2GiB", help="Config.host_memory, a size such as 2GiB (default 2GiB)")
+    ap.add_argument("--dir", default="infinity-bench-ckpt",
+                    help="scratch folder for swap files and checkpoints, removed at the end (default %(default)s)")
+    ap.add_argument("--placements", default="host,nvme",
+                    help="comma-separated placements of params and optimizer state: host, nvme (default both)")
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="skip the torch.save and torch.distributed.checkpoint runs")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     root = os.path.abspath(args.dir)

@@ -378,9 +378,11 @@ def run_thp_child(root: Path, size: int) -> Optional[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="./infinity-swap/bench", help="scratch directory (deleted files at end)")
-    ap.add_argument("--size-mib", type=int, default=1024, help="bytes per transfer, MiB (1024-4096)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="./infinity-swap/bench",
+                    help="scratch directory; its files are deleted at the end (default %(default)s)")
+    ap.add_argument("--size-mib", type=int, default=1024, help="bytes per transfer, MiB (1024-4096; default 1024)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds, each running every case once in shuffled order; figures are medians (default 3)")
     ap.add_argument("--full", action="store_true", help="sweep block sizes 1-16 MiB and queue depths 1-32")
     ap.add_argument("--json", default=None, help="also write the JSON result to this file")
     ap.add_argument("--thp-child", action="store_true", help=argparse.SUPPRESS)

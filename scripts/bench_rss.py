@@ -122,18 +122,19 @@ FIXED_OVERHEAD = 256 << 20  # worker threads' malloc arenas, the engine's bookke
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--embd", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--host", default="512MiB")
-    ap.add_argument("--device", default="192MiB")
+    ap.add_argument("--layers", type=int, default=12, help="GPT blocks (default 12)")
+    ap.add_argument("--embd", type=int, default=768, help="embedding width, a multiple of --heads (default 768)")
+    ap.add_argument("--heads", type=int, default=12, help="attention heads (default 12)")
+    ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size, tokens (default 8192)")
+    ap.add_argument("--seq", type=int, default=128, help="sequence length, tokens (default 128)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps on each side (default 4)")
+    ap.add_argument("--host", default="512MiB", help="infinity's host_memory budget, a size (default 512MiB)")
+    ap.add_argument("--device", default="192MiB",
+                    help="infinity's device_memory budget (a region of RAM on the CPU), a size (default 192MiB)")
     ap.add_argument("--swap", default=None, help="swap folder (default: a temporary one under ./infinity-swap)")
     ap.add_argument("--child", choices=["torch", "infinity"], help=argparse.SUPPRESS)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="also print both sides' figures as one JSON line")
     args = ap.parse_args()
     if args.child:
         args.side = args.child

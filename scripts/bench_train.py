@@ -32,6 +32,7 @@ Usage: python scripts/bench_train.py [--layers 12 --embd 512 --steps 6 --budget-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -42,8 +43,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import infinity  # noqa: E402
+from infinity.cli.estimate import estimate  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
-from infinity.optim import adamw_step_  # noqa: E402
+from infinity.perf import copy_bandwidth, disk_bandwidth, optimizer_time  # noqa: E402
 
 
 def make_model(args) -> GPT:
@@ -52,76 +54,21 @@ def make_model(args) -> GPT:
                          n_embd=args.embd, tie_weights=True))
 
 
-def copy_bandwidth(nbytes: int, device: torch.device, pinned: bool = False) -> float:
-    """Bytes/s of a host-to-device copy of ``nbytes`` (median of 5): from
-    pageable memory, or with ``pinned`` from a page-locked HostPool buffer as
-    the mover copies (asynchronous on CUDA, so timed to a synchronize)."""
-    pool = buf = None
-    if pinned:
-        from infinity.io import HostPool
-        pool = HostPool(nbytes, pin="auto")
-        buf = pool.acquire(nbytes)
-        src = buf.view(torch.float32)
-        src.normal_()
-    else:
-        src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
-    dst = torch.empty_like(src, device=device)
-    ts = []
-    for _ in range(6):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=pinned)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    if pool is not None:
-        del src
-        buf.release()
-        pool.close()
-    return nbytes / statistics.median(ts[1:])
+def device_minimum(model, cfg: infinity.Config) -> int:
+    """The smallest device budget, bytes, that runs ``model`` under ``cfg``'s
+    placement, dtype and prefetch (what ``initialize`` checks against)."""
+    return estimate(model, cfg)["device"]["minimum"]
 
 
-def disk_bandwidth(paths, nbytes: int):
-    """(write, read) bytes/s of the swap paths, measured with a SwapStore of
-    the same kind the engine uses (O_DIRECT, pool buffers), median of 3."""
-    from infinity.io import HostPool, SwapStore
-    import tempfile
-    dirs = [tempfile.mkdtemp(prefix="bw-", dir=p) for p in paths]
-    pool = HostPool(nbytes)
-    buf = pool.acquire(nbytes)
-    t = buf.view(torch.uint8)
-    t.random_(0, 255)
-    w, r = [], []
-    with SwapStore(dirs, capacity_bytes=nbytes + (16 << 20)) as store:
-        for i in range(3):
-            t0 = time.perf_counter()
-            store.write("k", t).wait()
-            w.append(nbytes / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            store.read("k", t).wait()
-            r.append(nbytes / (time.perf_counter() - t0))
-    buf.release()
-    pool.close()
-    for d in dirs:
-        try:
-            Path(d).rmdir()
-        except OSError:
-            pass
-    return statistics.median(w), statistics.median(r)
-
-
-def optimizer_time(n: int, threads) -> float:
-    """Seconds of one CPU AdamW step over n parameters in flat buffers (median of 5)."""
-    p, g, m, v = (torch.randn(n) for _ in range(4))
-    v.abs_()
-    ts = []
-    for s in range(1, 7):
-        t0 = time.perf_counter()
-        adamw_step_([p], [g], [m], [v], step=s, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                    num_threads=threads)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts[1:])
+def at_least_minimum(model, cfg: infinity.Config, label: str = "device budget") -> infinity.Config:
+    """``cfg``, its device budget raised to the model's minimum if below it
+    (a small model's state is too small for a fraction of it to run), saying so."""
+    minimum = device_minimum(model, cfg)
+    if cfg.device_memory >= minimum:
+        return cfg
+    print(f"{label} {cfg.device_memory} bytes ({cfg.device_memory / 2**20:.1f} MiB) is below this model's "
+          f"minimum: raised to {minimum} bytes ({minimum / 2**20:.1f} MiB)")
+    return dataclasses.replace(cfg, device_memory=minimum)
 
 
 model_ref: list = []
@@ -148,6 +95,8 @@ def build(args) -> dict:
                           offload_params=args.offload, offload_optimizer=args.offload, overlap=args.overlap,
                           prefetch_depth=args.prefetch_depth, swap_paths=args.swap_dir or ["./infinity-swap"],
                           swap_checksum=not args.no_checksum)
+    cfg = at_least_minimum(model, cfg, f"device budget (--budget-frac {args.budget_frac})")
+    budget = cfg.device_memory
     model, opt = infinity.initialize(model, cfg, lr=1e-4, weight_decay=0.1)
     print(f"model: {n_params / 1e6:.1f} M params, model state {model_state / 2**20:.0f} MiB, device budget "
           f"{budget / 2**20:.0f} MiB ({model_state / budget:.1f}x smaller), host budget {host / 2**20:.0f} MiB, "
@@ -364,16 +313,34 @@ def run(args) -> dict:
     return res
 
 
+def sweep_budgets(args, fracs=(0.25, 0.5, 0.75, 1.1)) -> list:
+    """(fraction of the compute copy, bytes) of each sweep budget; those below
+    the model's minimum are raised to it (one row at the minimum), saying so."""
+    with torch.device("meta"):
+        model = make_model(args)
+    copy = sum(p.numel() for p in model.parameters()) * 4
+    minimum = device_minimum(model, sweep_config(args, copy // 4, None))
+    low = [f for f in fracs if int(copy * f) < minimum]
+    if low:
+        print(f"  budgets {', '.join(f'{f:.2f}' for f in low)} x compute copy are below this model's minimum "
+              f"({minimum} bytes, {minimum / copy:.2f} x): one run at the minimum instead")
+    return [(minimum / copy, minimum)] * bool(low) + [(f, int(copy * f)) for f in fracs if f not in low]
+
+
+def sweep_config(args, n: int, budget) -> infinity.Config:
+    """The sweep's Config for a model of ``n`` parameters at device budget ``budget``."""
+    return infinity.Config(device=args.device, dtype="fp32", device_memory=budget, host_memory=n * 40,
+                           prefetch_depth=args.prefetch_depth)
+
+
 def budget_sweep(args) -> list:
     """Bytes moved per step for several device budgets (fractions of the compute copy)."""
     rows = []
     gen = torch.Generator().manual_seed(2)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
-    for frac in (0.25, 0.5, 0.75, 1.1):
+    for frac, budget in sweep_budgets(args):
         model = make_model(args)
-        n = sum(p.numel() for p in model.parameters())
-        cfg = infinity.Config(device=args.device, dtype="fp32", device_memory=int(n * 4 * frac),
-                              host_memory=n * 40, prefetch_depth=args.prefetch_depth)
+        cfg = sweep_config(args, sum(p.numel() for p in model.parameters()), budget)
         try:
             model, opt = infinity.initialize(model, cfg, lr=1e-4)
         except infinity.BudgetError as e:
@@ -392,36 +359,52 @@ def budget_sweep(args) -> list:
     return rows
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--embd", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N")
+    ap.add_argument("--layers", type=int, default=12, help="GPT blocks (default 12)")
+    ap.add_argument("--embd", type=int, default=512, help="embedding width, a multiple of --heads (default 512)")
+    ap.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size, tokens (default 8192)")
+    ap.add_argument("--seq", type=int, default=128, help="sequence length, tokens (default 128)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
+    ap.add_argument("--steps", type=int, default=12,
+                    help="timed step pairs (offloaded, in-memory) after 2 warm-up pairs (default 12)")
     ap.add_argument("--budget-frac", type=float, default=0.45,
-                    help="device budget as a fraction of the fp32 compute copy (model state is 4x that)")
-    ap.add_argument("--prefetch-depth", type=int, default=2)
-    ap.add_argument("--overlap", default="backward", choices=["step", "backward", "delayed"])
-    ap.add_argument("--offload", default="host", choices=["host", "nvme"])
+                    help="device budget as a fraction of the fp32 compute copy (model state is 4x that; default 0.45)")
+    ap.add_argument("--prefetch-depth", type=int, default=2,
+                    help="Config.prefetch_depth: units brought up ahead (default 2)")
+    ap.add_argument("--overlap", default="backward", choices=["step", "backward", "delayed"],
+                    help="Config.overlap: when the optimizer runs (default backward)")
+    ap.add_argument("--offload", default="host", choices=["host", "nvme"],
+                    help="home of params and optimizer state: host RAM or nvme swap files (default host)")
     ap.add_argument("--host-frac", type=float, default=0.4,
-                    help="with --offload nvme: host budget as a fraction of the model state")
-    ap.add_argument("--swap-dir", action="append", default=None)
+                    help="with --offload nvme: host budget as a fraction of the model state (default 0.4)")
+    ap.add_argument("--swap-dir", action="append", default=None,
+                    help="swap folder for --offload nvme; repeat for several (default ./infinity-swap)")
     ap.add_argument("--no-checksum", action="store_true", help="Config.swap_checksum=False (nvme)")
-    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="skip the sweep of device budgets (it runs only with --offload host)")
     ap.add_argument("--profile", default=None, metavar="PATH",
                     help="write a torch.profiler trace of one offloaded step (gzipped JSON, under 16 MiB) to PATH")
-    ap.add_argument("--json", default="bench-results/bench_train.json")
-    args = ap.parse_args()
+    ap.add_argument("--json", default="bench-results/bench_train.json",
+                    help="where to write the JSON report (default %(default)s)")
+    return ap.parse_args()
+
+
+def main() -> int:
+    """The run, the sweep, the targets and the JSON; 2 (with the message) when a budget is refused."""
+    args = parse_args()
     print(f"infinity {infinity.__version__}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"native {infinity.native.info()['simd']}")
-    res = run(args)
-    if not args.no_sweep and args.offload == "host":
-        print("bytes moved per step as the device budget grows:")
-        res["budget_sweep"] = budget_sweep(args)
+    try:
+        res = run(args)
+        if not args.no_sweep and args.offload == "host":
+            print("bytes moved per step as the device budget grows:")
+            res["budget_sweep"] = budget_sweep(args)
+    except infinity.BudgetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.offload == "host":
         print("\nTargets (host offload): overhead ratio <= 1.25: "
               f"{'PASS' if res['overhead_ratio'] <= 1.25 else 'FAIL'} ({res['overhead_ratio']:.3f}); "

@@ -36,18 +36,20 @@ from infinity.models import GPT, GPTConfig  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (gloo) or cuda (NCCL; each rank takes LOCAL_RANK) (default cpu)")
     # Deep and narrow: at the smallest device budget the few units kept at the
     # turn of forward to backward are a small part of the model, as in real ones.
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--embd", type=int, default=192, help="a multiple of 6 (heads)")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=2, help="per rank")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=24, help="GPT blocks (default 24)")
+    ap.add_argument("--embd", type=int, default=192, help="embedding width, a multiple of 6 (heads) (default 192)")
+    ap.add_argument("--seq", type=int, default=128, help="sequence length, tokens (default 128)")
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default 2)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="timed optimizer steps per stage, after one warm-up (default 5)")
     ap.add_argument("--device-memory", default=None,
-                    help="device budget per rank (default: everything fits; a small one makes stage 3 gather "
-                         "units again for backward)")
-    ap.add_argument("--json", default="bench-results/bench_zero.json")
+                    help="device budget per rank, a size (default: all fits; small: stage 3 gathers again for backward)")
+    ap.add_argument("--json", default="bench-results/bench_zero.json",
+                    help="where rank 0 writes every rank's rows as JSON (default %(default)s)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     if cuda:  # before anything touches CUDA (docs/distributed.md)

@@ -1,23 +1,34 @@
 #!/usr/bin/env python3
-"""The main job: train a GPT-style model whose model state is larger than
-the host budget and ~10x the device budget, through infinity, with NVMe swap
-files in a local directory, and say where the time and bytes went.
+"""The main job: train a GPT on readable text through infinity with a device
+budget far smaller than the model state, a host budget smaller than it and
+NVMe swap files in ./infinity-swap; train the same model in plain PyTorch in
+memory in the same run; say where every second and byte of a step went.
 
-Model state (fp32 weights, gradients and two Adam moments: 16 bytes a
-parameter) lives in swap files (default ./infinity-swap); the host tier caches
-what fits its budget; each block's compute copy is paged onto the device ahead
-of use under a hard device budget; the native CPU AdamW updates each block as
-soon as its gradients have left the device, reading and writing its state
-from and to the swap files in a pipeline. The task is synthetic (next token
-= a fixed function of the current one), so the loss falls quickly and visibly.
-The swap files are removed at the end.
+The text is English prose every Python installation carries: the docstrings
+of its standard library, read byte by byte (vocabulary 256), so the loss
+falls visibly within the run: from ln 256 = 5.55 nats a byte (uniform
+guessing) to about 3.3, where the model has learnt the bytes' frequencies
+(English letters and spaces instead of noise, as the samples before and
+after show). Words take some 10x more tokens than this run's ~90 s on 2 cores.
 
-Usage: python scripts/demo.py [--steps 40] [--offload nvme|host] [--swap-dir DIR] [--device cpu|cuda]
+Printed: the loss as it falls; samples before and after; the overhead ratio
+of infinity's step against the plain-PyTorch step with its lower bound
+max(compute + optimizer, transfers) measured on this machine; the whole
+step's time split into its parts (they add up to the measured step); bytes
+and bandwidth per link; peak bytes per tier against budget; peak RSS.
+Written: OUT/metrics.jsonl and OUT/report.png (loss, time, tiers, links),
+and with --json a machine-readable summary. The swap files are removed at
+the end; nothing is written outside --swap-dir and --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,96 +37,292 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import infinity  # noqa: E402
+from infinity.corpus import stdlib_corpus  # noqa: E402
+from infinity.cli.metrics import Metrics  # noqa: E402
 from infinity.config import format_bytes  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
+from infinity import perf  # noqa: E402
+
+PROMPT = "The function returns "
 
 
-def batch(gen: torch.Generator, n: int, seq: int, vocab: int):
-    start = torch.randint(0, vocab, (n, 1), generator=gen)
-    steps = torch.arange(seq + 1).unsqueeze(0)
-    tokens = (start * 7 + steps * 13) % vocab  # a rule the model can learn
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="fp32" if not torch.cuda.is_available() else "bf16")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--embd", type=int, default=384)
-    ap.add_argument("--heads", type=int, default=6)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--device-memory", default=None, help="device budget (default: model state / 10)")
-    ap.add_argument("--overlap", default="backward", choices=["step", "backward", "delayed"])
-    ap.add_argument("--offload", default="nvme", choices=["nvme", "host"],
-                    help="home of parameters and optimizer state (default nvme)")
-    ap.add_argument("--swap-dir", action="append", default=None,
-                    help="swap directory (repeat for several disks; default ./infinity-swap)")
-    ap.add_argument("--host-memory", default=None, help="host budget (default: model state / 2.5 with nvme)")
-    args = ap.parse_args()
+    a = ap.add_argument
+    a("--quick", action="store_true", help="a small model and few steps (~20 s; what the test suite runs)")
+    a("--steps", type=int, default=None, help="optimizer steps through infinity (default 60; --quick 24)")
+    a("--plain-steps", type=int, default=None, help="steps of the plain-PyTorch comparison (default 6; --quick 4)")
+    a("--layers", type=int, default=None, help="transformer blocks (default 12; --quick 4)")
+    a("--embd", type=int, default=None, help="model width (default 384; --quick 128)")
+    a("--heads", type=int, default=6, help="attention heads (must divide --embd)")
+    a("--seq", type=int, default=128, help="sequence length in bytes")
+    a("--batch", type=int, default=8, help="sequences per step")
+    a("--lr", type=float, default=2e-3, help="AdamW learning rate (after a 5-step linear warm-up)")
+    a("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    a("--dtype", default=None, help="compute dtype: fp32 (default on the CPU), bf16 (default on CUDA), fp16")
+    a("--offload", default="nvme", choices=["nvme", "host"], help="home of parameters and optimizer state")
+    a("--swap-dir", action="append", default=None,
+      help="swap directory (repeat for several disks; default ./infinity-swap)")
+    a("--device-memory", default=None, help="device budget, e.g. 32MiB (default: model state / 10)")
+    a("--host-memory", default=None, help="host budget (default: model state / 2.5 with nvme)")
+    a("--out", default="./infinity-demo", help="folder for metrics.jsonl and report.png")
+    a("--json", default=None, help="also write the summary as JSON to this file")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    for k, full, small in (("steps", 60, 24), ("plain_steps", 6, 4), ("layers", 12, 4), ("embd", 384, 128)):
+        if getattr(args, k) is None:
+            setattr(args, k, small if quick else full)
+    if quick:
+        args.heads = 4
+    args.dtype = args.dtype or ("bf16" if torch.cuda.is_available() and args.device != "cpu" else "fp32")
+    return args
 
+
+class Batches:
+    """Seeded random windows of the corpus: (inputs, targets) of bytes."""
+
+    def __init__(self, data: torch.Tensor, batch: int, seq: int, seed: int = 1):
+        self.data, self.batch, self.seq = data, batch, seq
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next(self):
+        i = torch.randint(0, self.data.numel() - self.seq - 1, (self.batch,), generator=self.gen)
+        w = torch.stack([self.data[j:j + self.seq + 1] for j in i.tolist()]).long()
+        return w[:, :-1], w[:, 1:]
+
+
+@torch.no_grad()
+def sample(model, n: int = 64, temperature: float = 0.8) -> str:
+    """PROMPT continued by ``n`` bytes drawn from the model (seeded, so runs compare)."""
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.tensor([list(PROMPT.encode())])
+    for _ in range(n):
+        logits = model(ids[:, -model.cfg.block_size:])[0, -1].float().cpu()
+        nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
+        ids = torch.cat([ids, nxt.view(1, 1).to(ids.device)], dim=1)
+    return bytes(ids[0].tolist()).decode("ascii", errors="replace")
+
+
+def budgets(args, model, config: infinity.Config, state: int):
+    """(device, host) budgets: the given ones, else state / 10 and state / 2.5
+    (nvme) raised to what this model needs at least, so small models run."""
+    from infinity.cli.estimate import estimate
+    est = estimate(model, config)
+    dev = args.device_memory or max(state // 10, est["device"]["minimum"])
+    host = args.host_memory or max(int(state / 2.5) if args.offload == "nvme" else 2 * state,
+                                   est["host"]["minimum"])
+    return dev, host
+
+
+def lr_at(step: int, base: float, warmup: int = 5) -> float:
+    return base * min(1.0, step / warmup)
+
+
+class Phases:
+    """Seconds per phase of each step, each timed on its own with perf_counter."""
+
+    NAMES = ("data", "forward+backward", "optimizer.step()", "zero_grad")
+
+    def __init__(self):
+        self.rows = []
+
+    def run(self, batches, model, opt, step: int, lr: float, dev):
+        t = [time.perf_counter()]
+        x, y = batches.next()
+        x, y = x.to(dev), y.to(dev)
+        t.append(time.perf_counter())
+        loss = model(x, y)
+        loss.backward()
+        t.append(time.perf_counter())
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        t.append(time.perf_counter())
+        opt.zero_grad()
+        value = loss.item()
+        t.append(time.perf_counter())
+        self.rows.append([b - a for a, b in zip(t, t[1:])])
+        return value, t[-1] - t[0]
+
+    def mean(self, skip: int):
+        rows = self.rows[skip:] or self.rows
+        return {n: statistics.fmean(r[i] for r in rows) for i, n in enumerate(self.NAMES)}
+
+
+def train_plain(model, batches, args, dev):
+    """The same model in memory with torch.optim.AdamW: (median s/step, median forward+backward s)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    ph = Phases()
+    for step in range(1, args.plain_steps + 1):
+        ph.run(batches, model, opt, step, lr_at(step, args.lr), dev)
+    rows = ph.rows[1:] or ph.rows
+    return statistics.median(sum(r) for r in rows), statistics.median(r[1] for r in rows)
+
+
+def train_infinity(model, opt, batches, args, dev, metrics):
+    """Trains through infinity; prints the loss every few steps. Returns (losses, per-step seconds, Phases)."""
+    ph, losses, times = Phases(), [], []
+    t_run = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        loss, _ = ph.run(batches, model, opt, step, lr_at(step, args.lr), dev)
+        losses.append(loss)
+        metrics.record(step, loss, lr_at(step, args.lr), infinity.stats(model))
+        if step == 1 or step % 5 == 0 or step == args.steps:
+            recent = times[-4:] + [time.perf_counter() - t0]
+            print(f"step {step:4d}  loss {loss:6.3f} nats/byte  {statistics.fmean(recent):6.3f} s/step (last "
+                  f"{len(recent)})  {args.batch * args.seq / statistics.fmean(recent):7.0f} tokens/s  elapsed "
+                  f"{time.perf_counter() - t_run:6.1f} s", flush=True)
+        times.append(time.perf_counter() - t0)  # the whole loop body: the parts plus metrics and printing
+    return losses, times, ph
+
+
+def lower_bound(n_params: int, step_moved: dict, compute_s: float, dev, swap_dirs, offload: str) -> dict:
+    """max(compute + optimizer, transfers), each measured on this machine now (see scripts/bench_train.py)."""
+    opt_s = perf.optimizer_time(n_params, None)
+    bw = {"h2d": perf.copy_bandwidth(16 << 20, dev), "d2h": perf.copy_bandwidth(16 << 20, dev)}
+    if offload == "nvme":
+        bw["nvme_write"], bw["nvme_read"] = perf.disk_bandwidth(swap_dirs, 32 << 20)
+    transfer = sum(step_moved.get(k, 0) / b for k, b in bw.items())
+    return {"compute_s": compute_s, "optimizer_s": opt_s, "transfer_s": transfer,
+            "bound_s": max(compute_s + opt_s, transfer), "bandwidth_Bps": bw}
+
+
+def peak_rss_reset() -> None:
+    """Resets the kernel's peak-RSS mark (VmHWM) so it covers only what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def account(ph: Phases, times, stats: dict, skip: int) -> dict:
+    """The mean step (steps after ``skip``) split into its measured parts."""
+    parts = ph.mean(skip)
+    n = max(1, len(times) - skip)
+    step = statistics.fmean(times[skip:] or times)
+    return {"step_s": step, "parts_s": parts, "parts_sum_s": sum(parts.values()),
+            "stall_s": stats["stall_seconds"] / len(times), "optimizer_wait_s": stats["optimizer_wait_seconds"] / n,
+            "optimizer_s": stats["optimizer_seconds"] / len(times), "hidden": stats["overlap"]}
+
+
+def print_summary(res: dict) -> None:
+    acc, lb = res["accounting"], res["lower_bound"]
+    print(f"\nwhere the time of a step went (mean over steps {res['skip'] + 1}-{res['steps']}):")
+    for name, s in acc["parts_s"].items():
+        note = ""
+        if name == "forward+backward":
+            note = f"  of which waiting for parameter fetches {acc['stall_s']:.3f} s"
+        elif name == "optimizer.step()":
+            note = (f"  of which waiting for the CPU AdamW {acc['optimizer_wait_s']:.3f} s (it ran "
+                    f"{acc['optimizer_s']:.3f} s a step, {100 * acc['hidden']:.0f}% hidden behind backward)")
+        print(f"  {name:<20} {s:7.3f} s{note}")
+    other = acc["step_s"] - acc["parts_sum_s"]
+    print(f"  {'other (stats, log)':<20} {other:7.3f} s")
+    print(f"  {'whole step, measured':<20} {acc['step_s']:7.3f} s   (the parts above, each timed on its own, sum to "
+          f"{acc['parts_sum_s']:.3f} s)")
+    print(f"\nplain PyTorch, in memory, same model and batches: {res['plain_step_s']:.3f} s/step")
+    print(f"overhead ratio infinity / plain: {res['overhead_ratio']:.2f}x;  lower bound on this machine "
+          f"{res['bound_ratio']:.2f}x = max(compute {lb['compute_s']:.3f} + optimizer {lb['optimizer_s']:.3f}, "
+          f"transfers {lb['transfer_s']:.3f}) s / plain step")
+    print("\nbytes moved per step (bandwidth over the step):")
+    for k, v in res["step_bytes_moved"].items():
+        if v:
+            print(f"  {k:<11} {format_bytes(v):>10}  {format_bytes(v / acc['step_s'])}/s")
+    print("peak bytes per tier against budget:")
+    for k, v in res["peak_bytes"].items():
+        b = res["budget_bytes"].get(k)
+        print(f"  {k:<7} {format_bytes(v):>10} of {format_bytes(b) if b else 'no budget':>10}")
+    print(f"peak RSS of the process during the infinity run: {format_bytes(res['peak_rss_bytes'])}")
+
+
+def build(args):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                    n_embd=args.embd)
-    model = GPT(cfg)
+    cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    return GPT(cfg)
+
+
+def run(args) -> dict:
+    data = torch.frombuffer(bytearray(stdlib_corpus(2 << 20)), dtype=torch.uint8)
+    model = build(args)
     n = sum(p.numel() for p in model.parameters())
     state = 16 * n
-    budget = args.device_memory or max(state // 10, 1)
-    host = args.host_memory or (int(state / 2.5) if args.offload == "nvme" else state * 2)
-    config = infinity.Config(device=args.device, dtype=args.dtype, device_memory=budget, host_memory=host,
-                             offload_params=args.offload, offload_optimizer=args.offload,
-                             swap_paths=args.swap_dir or ["./infinity-swap"], overlap=args.overlap,
-                             prefetch_depth=2)
-    t0 = time.perf_counter()
-    try:
-        model, opt = infinity.initialize(model, config, lr=1e-3, weight_decay=0.1)
-    except infinity.BudgetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    swap = args.swap_dir or ["./infinity-swap"]
+    config = infinity.Config(device=args.device, dtype=args.dtype, offload_params=args.offload,
+                             offload_optimizer=args.offload, swap_paths=swap, overlap="backward", prefetch_depth=2)
+    dev_budget, host_budget = budgets(args, model, config, state)
+    config = dataclasses.replace(config, device_memory=dev_budget, host_memory=host_budget)
     dev = config.resolve_device()
     print(f"infinity {infinity.__version__} | device {dev} | compute dtype {args.dtype} | CPU AdamW "
           f"{infinity.native.info()['simd']} x{infinity.native.default_num_threads()} threads")
-    print(f"model: {n / 1e6:.1f} M parameters, model state {format_bytes(state)}; device budget "
-          f"{format_bytes(config.device_memory)} ({state / config.device_memory:.1f}x smaller than the state), "
-          f"host budget {format_bytes(config.host_memory)} ({state / config.host_memory:.1f}x smaller); "
-          f"parameters and optimizer state in {args.offload}"
-          + (f" (swap: {', '.join(config.swap_paths)})" if args.offload == "nvme" else "")
-          + f"; set up in {time.perf_counter() - t0:.1f} s")
-    gen = torch.Generator().manual_seed(1)
-    t_start = time.perf_counter()
-    first = None
-    for step in range(1, args.steps + 1):
-        x, y = batch(gen, args.batch, args.seq, args.vocab)
-        loss = model(x.to(dev), y.to(dev))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        first = first if first is not None else loss.item()
-        if step == 1 or step % 5 == 0 or step == args.steps:
-            el = time.perf_counter() - t_start
-            print(f"step {step:4d}  loss {loss.item():7.4f}  {el / step:6.3f} s/step  "
-                  f"{args.batch * args.seq * step / el:8.0f} tokens/s", flush=True)
-    total = time.perf_counter() - t_start
+    print(f"data: {format_bytes(data.numel())} of the Python standard library's docstrings, read as bytes")
+    print(f"model: GPT, {n / 1e6:.1f} M parameters; model state {format_bytes(state)} (fp32 weights, gradients, "
+          f"two Adam moments); device budget {format_bytes(dev_budget)} ({state / dev_budget:.0f}x smaller), "
+          f"host budget {format_bytes(host_budget)} ({state / host_budget:.1f}x smaller); state in {args.offload}"
+          + (f" ({', '.join(swap)})" if args.offload == "nvme" else ""))
+    plain = copy.deepcopy(model).to(dev)
+    print(f"\nsample before training: {sample(plain)!r}")
+    plain_step, compute = train_plain(plain, Batches(data, args.batch, args.seq), args, dev)
+    del plain
+    peak_rss_reset()
+    model, opt = infinity.initialize(model, config, lr=args.lr, weight_decay=0.1)
+    os.makedirs(args.out, exist_ok=True)
+    metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), 1, args.steps, 0, args.batch * args.seq, False)
+    open(metrics.path, "w").close()
+    losses, times, ph = train_infinity(model, opt, Batches(data, args.batch, args.seq), args, dev, metrics)
+    metrics.close()
     s = infinity.stats(model)
-    print("\nwhere the time went (whole run):")
-    print(f"  wall time                 {total:8.2f} s ({total / args.steps:.3f} s/step)")
-    print(f"  optimizer (CPU AdamW)     {s['optimizer_seconds']:8.2f} s, {100 * s['overlap']:.0f}% of it hidden "
-          f"behind backward")
-    print(f"  step() waiting for it     {s['optimizer_wait_seconds']:8.2f} s")
-    print(f"  compute stalled on data   {s['stall_seconds']:8.2f} s")
-    print(f"  fetches {s['fetches']}, prefetches {s['prefetches']}, evictions {s['evictions']}")
-    print("bytes moved per step: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["step_bytes_moved"].items()
-                                               if v))
-    print("peak bytes per tier: " + ", ".join(
-        f"{k} {format_bytes(v)}" + (f" (budget {format_bytes(s['budget_bytes'][k])})" if s['budget_bytes'][k] else "")
-        for k, v in s["peak_bytes"].items()))
-    held = all(s["peak_bytes"][k] <= s["budget_bytes"][k] for k in ("device", "host"))
-    ok = held and loss.item() < first
-    print(f"\nloss {first:.3f} -> {loss.item():.3f}; device and host budgets held: {held}")
-    infinity.api.close(model)  # stops the workers, removes the swap files
+    rss = peak_rss()
+    skip = min(2, args.steps - 1)
+    bound = lower_bound(n, s["step_bytes_moved"], compute, dev, swap, args.offload)  # the swap paths still exist
+    infinity.close(model)  # swap files removed; the model keeps its trained fp32 values
+    res = {"steps": args.steps, "skip": skip, "losses": losses, "loss_start": losses[0],
+           "loss_end": statistics.fmean(losses[-3:]), "plain_step_s": plain_step, "plain_steps": args.plain_steps,
+           "accounting": account(ph, times, s, skip), "step_bytes_moved": s["step_bytes_moved"],
+           "peak_bytes": s["peak_bytes"], "budget_bytes": s["budget_bytes"], "peak_rss_bytes": rss,
+           "budgets_held": all(s["peak_bytes"][k] <= s["budget_bytes"][k] for k in ("device", "host"))}
+    res["lower_bound"] = bound
+    res["overhead_ratio"] = res["accounting"]["step_s"] / plain_step
+    res["bound_ratio"] = res["lower_bound"]["bound_s"] / plain_step
+    res["sample_end"] = sample(model.to(dev))
+    return res
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        res = run(args)
+    except (infinity.BudgetError, infinity.engine.faults.UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"sample after training:  {res['sample_end']!r}")
+    print_summary(res)
+    png = os.path.join(args.out, "report.png")
+    try:
+        from infinity.cli.report import plot, read_metrics
+        plot(read_metrics(os.path.join(args.out, "metrics.jsonl")), png)
+        print(f"\nmetrics: {os.path.join(args.out, 'metrics.jsonl')}; plots: {png}")
+    except ImportError:
+        print(f"\nmetrics: {os.path.join(args.out, 'metrics.jsonl')} (pip install matplotlib for {png})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    ok = res["budgets_held"] and res["loss_end"] < res["loss_start"]
+    print(f"\nloss {res['loss_start']:.3f} -> {res['loss_end']:.3f} nats/byte (uniform guessing: 5.545); "
+          f"device and host budgets held: {res['budgets_held']}")
     return 0 if ok else 1
 
 

@@ -137,11 +137,12 @@ def bandwidths(nbytes: int, device: torch.device, reps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--pool-mib", type=int, default=1024, help="size of the pools, MiB")
-    ap.add_argument("--copy-mib", type=int, default=256, help="bytes per timed copy, MiB")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a run with host copies")
+    ap.add_argument("--pool-mib", type=int, default=1024, help="size of each of the two host pools opened, MiB (default 1024)")
+    ap.add_argument("--copy-mib", type=int, default=256, help="bytes per timed copy, MiB (default 256)")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="timed copies per direction, after one untimed; median (default 5)")
+    ap.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = ap.parse_args()
     device = torch.device(args.device)
     res = {"versions": versions()}

@@ -250,16 +250,19 @@ def distributed(args) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--models", default="gpt,unequal")
-    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="torch device (default: cuda if available, else cpu)")
+    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per case (default 6; --sanitize runs 2)")
+    ap.add_argument("--models", default="gpt,unequal",
+                    help="comma-separated: gpt (the tests' tiny GPT), unequal (UnequalNet) (default both)")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated compute dtypes: fp32, bf16 (default both)")
     ap.add_argument("--depths", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2],
-                    help="prefetch depths (1: the tightest arena, where A1 shows)")
-    ap.add_argument("--lag-ms", type=float, default=1.0, help="GPU sleep per block hook, ms (0: no lag run)")
+                    help="comma-separated prefetch depths (default 1,2; 1: the tightest arena, where A1 shows)")
+    ap.add_argument("--lag-ms", type=float, default=1.0,
+                    help="GPU sleep per block hook, ms (default 1.0; 0: no lag run)")
     ap.add_argument("--sanitize", action="store_true", help="stage 4: tiniest cases, for TORCH_CUDA_SANITIZER=1")
-    ap.add_argument("--dist", default=None, help="stage 6: torch.distributed backend of a world of one")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--dist", default=None, help="stage 6: torch.distributed backend (gloo, nccl) of a world of one")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, device {args.device}, native {infinity.native.available()}", flush=True)
     with deterministic():

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job of the README: sets up ./.venv from nothing if needed, then
-# trains a model larger than the host and device budgets through infinity,
-# with NVMe swap files in ./infinity-swap
-# (scripts/demo.py; arguments are passed on).
+# The main job of the README: sets up ./.venv from nothing if needed (skipped
+# when the installed package matches the source tree), then trains a GPT on
+# readable text through infinity with budgets smaller than its state and NVMe
+# swap files in ./infinity-swap, beside plain PyTorch in the same run
+# (scripts/demo.py; arguments are passed on, --help lists them).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"

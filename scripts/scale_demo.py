@@ -42,18 +42,20 @@ def rss_bytes(field: str = "VmHWM") -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=51)
-    ap.add_argument("--embd", type=int, default=2560)
-    ap.add_argument("--heads", type=int, default=20)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--host-memory", default="5.5GiB")
-    ap.add_argument("--device-memory", default="1GiB")
-    ap.add_argument("--swap-dir", action="append", default=None)
-    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--layers", type=int, default=51, help="GPT blocks (default 51: ~4 B params at --embd 2560)")
+    ap.add_argument("--embd", type=int, default=2560, help="embedding width, a multiple of --heads (default 2560)")
+    ap.add_argument("--heads", type=int, default=20, help="attention heads (default 20)")
+    ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size, tokens (default 8192)")
+    ap.add_argument("--seq", type=int, default=64, help="sequence length, tokens (default 64)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per batch (default 1)")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    ap.add_argument("--dtype", default="bf16", help="compute dtype: bf16, fp16 or fp32 (default bf16)")
+    ap.add_argument("--host-memory", default="5.5GiB", help="Config.host_memory, a size (default 5.5GiB)")
+    ap.add_argument("--device-memory", default="1GiB",
+                    help="Config.device_memory (a region of RAM: the device is the CPU), a size (default 1GiB)")
+    ap.add_argument("--swap-dir", action="append", default=None,
+                    help="swap folder; repeat for several (default ./infinity-swap)")
+    ap.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
     args = ap.parse_args()
 
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,

@@ -14,13 +14,26 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 vpy="$venv/bin/python"
+# The source tree's content (and this script, which lists the dependencies):
+# when the installed package was built from the same, nothing is reinstalled.
+src_hash="$(cd "$root" && find infinity native CMakeLists.txt pyproject.toml scripts/setup_env.sh -type f \
+  ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
+stamp="$venv/.infinity-source-sha256"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$src_hash" ] && "$vpy" -c "import infinity" >/dev/null 2>&1; then
+  echo "[setup] infinity is installed from this source tree already (sha256 ${src_hash:0:12}); skipping the build"
+  exit 0
+fi
 "$vpy" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
   echo "[setup] installing $torch_spec"
   "$vpy" -m pip install -q "$torch_spec"
 fi
+rm -f "$stamp"
 echo "[setup] building and installing infinity (native library via CMake)"
-# matplotlib: `infinity report` and its test (the package's `plot` extra); tqdm, psutil: `infinity train`
-"$vpy" -m pip install -q scikit-build-core cmake ninja pytest numpy "transformers==5.24.0" matplotlib tqdm psutil
+# accelerate, peft: the Hugging Face Trainer and LoRA tests (infinity.integrations.hf); matplotlib: `infinity report`
+# and its test (the package's `plot` extra); tqdm, psutil: `infinity train`
+"$vpy" -m pip install -q scikit-build-core cmake ninja pytest numpy "transformers==5.24.0" "accelerate==1.15.0" \
+  "peft==0.21.2" matplotlib tqdm psutil
 "$vpy" -m pip install -q --no-build-isolation "$root"
 "$vpy" -c "import infinity, json; print('[setup] infinity.native.info():', json.dumps(infinity.native.info()))"
+echo "$src_hash" > "$stamp"
