@@ -244,3 +244,26 @@ def test_exclude_frozen_saves_only_the_trainable_part_and_resumes(tmp_path):
     rest = train(m, o, None, batches[3:])
     infinity.close(m)
     assert first + rest == ref
+
+
+def test_strict_false_loads_the_common_names_and_says_which_it_skipped(tmp_path):
+    """strict=False skipped names silently; torch returns them. Now a warning names both sides."""
+    m, o, _ = make(tmp_path, "a", "host", "host")
+    train(m, o, None, data(2))
+    path = infinity.save_checkpoint(tmp_path / "ck", m, o)
+    want = infinity.full_state_dict(m)
+    infinity.close(m)
+    torch.manual_seed(5)
+    other = Chain([32, 16, 64, 8, 12])  # one block more: its names are not in the checkpoint
+    cfg = infinity.Config(**base_config(offload_params="host", offload_optimizer="host", device_memory=1 << 20))
+    m2, o2 = infinity.initialize(other, cfg, lr=1e-2)
+    before = infinity.full_state_dict(m2)
+    with pytest.raises(KeyError, match="strict=False"):
+        infinity.load_checkpoint(path, m2, o2)
+    with pytest.warns(RuntimeWarning, match=r"blocks\.4\.a\.weight") as rec:
+        infinity.load_checkpoint(path, m2, o2, strict=False)
+    assert any("keep their current values" in str(w.message) for w in rec)
+    got = infinity.full_state_dict(m2)
+    for k, v in got.items():
+        assert torch.equal(v, want[k] if k in want else before[k]), k
+    infinity.close(m2)
