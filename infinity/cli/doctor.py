@@ -43,6 +43,14 @@ def load_for_estimate(config_path: str) -> tuple:
     """``(Config, model on the meta device)`` of a run file or DeepSpeed JSON
     (whose model is the run file default, the tiny GPT). The data file is
     only read for its vocabulary, when it exists."""
+    run = load_run_for_estimate(config_path)
+    return run[0], run[1]
+
+
+def load_run_for_estimate(config_path: str) -> tuple:
+    """``(Config, model on the meta device, forward)`` where ``forward(model)``
+    runs one micro-batch of the run file's shape on meta inputs and returns
+    the loss (for the activation estimate), plus whether the model is lazy."""
     from ..deepspeed import is_deepspeed
     from .data import open_tokens
     from .model import build_model
@@ -53,8 +61,9 @@ def load_for_estimate(config_path: str) -> tuple:
     d = run.data
     vocab = open_tokens(d.path, d.format, d.dtype)[1] if os.path.isfile(d.path) else 256
     with torch.device("meta"):
-        model, _, _ = build_model(run.model, run.config, d.seq_len, vocab, 0)
-    return run.config, model
+        model, loss, _ = build_model(run.model, run.config, d.seq_len, vocab, 0)
+    x = torch.zeros(d.micro_batch, d.seq_len, dtype=torch.long, device="meta")
+    return run.config, model, (lambda m: loss(m, x, x)), bool(run.model.lazy)
 
 
 def nvme_need(config_path: str) -> tuple:

@@ -87,11 +87,35 @@ def render(est: Dict[str, Dict[str, Optional[int]]]) -> str:
     return "\n".join(lines)
 
 
+_PEAK_PARTS = {
+    "device": ("model_state", "gradients_in_flight", "activations"),
+    "host": ("model_state", "cache_and_transients"),
+    "rss": ("baseline", "host_pool", "device_tier_in_ram", "activations", "staging", "runtime",
+            "model_fp32_at_initialize"),
+}
+
+
+def render_peaks(peaks: dict) -> str:
+    """The predicted peak of each tier and its parts (see infinity.estimator)."""
+    lines = ["", f"{'TIER':7}{'PEAK':>16}  {'':12}PARTS"]
+    for tier in ("device", "host", "nvme", "rss"):
+        p = peaks[tier]
+        parts = ", ".join(f"{k} {format_bytes(p[k])}" for k in _PEAK_PARTS.get(tier, ()) if p.get(k))
+        lines.append(f"{tier:7}{p['peak']:>16,}  {format_bytes(p['peak']):12}{parts}")
+    a = peaks["activations"]
+    lines.append(f"\nactivations saved for backward: {format_bytes(a['saved'])} (one block {format_bytes(a['unit'])}, "
+                 f"activation checkpointing {'on' if a['checkpointing'] else 'off'}); rss is the process's peak "
+                 "resident memory, device activations count beside the tier on CUDA")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     """Prints the estimate of the run file; 1 when a given budget is below a minimum."""
-    from .doctor import load_for_estimate
-    config, model = load_for_estimate(args.config)
+    from ..estimator import estimate_peaks
+    from .doctor import load_run_for_estimate
+    config, model, forward, lazy = load_run_for_estimate(args.config)
     est = estimate(model, config, args.world)
     print(render(est))
+    print(render_peaks(estimate_peaks(model, config, forward, world=args.world, lazy=lazy)))
     short = any(est[t]["budget"] is not None and est[t]["budget"] < est[t]["minimum"] for t in ("device", "host"))
     return 1 if short else 0

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""The memory estimator against measured peaks, per tier, on several runs.
+
+Each configuration trains a small GPT for a few steps in fresh processes
+(two gloo ranks for the ZeRO ones). Before building the model, the process
+asks ``infinity.estimator.estimate_peaks`` (the model on the meta device,
+one micro-batch of meta inputs); after the steps it reads what happened:
+``infinity.stats`` peak bytes per tier (device, host, nvme) and the kernel's
+peak resident set (VmHWM). Printed: estimate, measured, error per tier and a
+PASS/FAIL against the ±10% target. ``--json`` writes the rows.
+
+Usage: python scripts/bench_estimate.py [--steps 3] [--json out.json] [--only 0,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TIERS = ("device", "host", "nvme", "rss")
+TOLERANCE = 0.10
+
+# host and nvme placements, ZeRO 0 and 3 on 2 ranks, activation checkpointing on and off, two batch sizes.
+BASE = dict(layers=4, embd=256, seq=128, batch=8, ckpt=False, place="host", zero=0, world=1,
+            dev=14 << 20, host=256 << 20)
+CONFIGS = [BASE, dict(BASE, ckpt=True, batch=16), dict(BASE, place="nvme", host=48 << 20),
+           dict(BASE, place="nvme", host=48 << 20, ckpt=True, batch=16), dict(BASE, zero=3, world=2),
+           dict(BASE, zero=3, world=2, place="nvme", host=60 << 20, batch=16)]
+# Larger models the constants were not fitted on (--extra).
+EXTRA = [dict(BASE, layers=8, embd=384, seq=256, dev=40 << 20, host=1 << 30),
+         dict(BASE, layers=6, embd=512, batch=16, ckpt=True, place="nvme", dev=56 << 20, host=200 << 20)]
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def worker(c: dict, steps: int) -> None:
+    """One rank of one configuration: prints RESULT {estimate, measured}."""
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, str(ROOT))
+    import infinity
+    from infinity.estimator import estimate_peaks
+    from infinity.models import GPT, GPTConfig
+    rank, world = int(os.environ.get("RANK", 0)), c["world"]
+    if world > 1:
+        dist.init_process_group("gloo", init_method="file://" + c["rdzv"], rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    base = _status("VmRSS")
+    gcfg = GPTConfig(vocab_size=256, block_size=c["seq"], n_layer=c["layers"], n_head=4, n_embd=c["embd"],
+                     checkpoint=c["ckpt"])
+    cfg = infinity.Config(device="cpu", dtype="fp32", offload_params=c["place"], offload_optimizer=c["place"],
+                          device_memory=c["dev"], host_memory=c["host"], zero_stage=c["zero"], swap_paths=[c["swap"]],
+                          unit_classes=["Block"])
+    with torch.device("meta"):
+        meta = GPT(gcfg)
+    x = torch.zeros(c["batch"], c["seq"], dtype=torch.long, device="meta")
+    est = estimate_peaks(meta, cfg, lambda m: m(x, x), world=world, baseline_rss=base)
+    del meta
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(GPT(gcfg), cfg, lr=1e-3)
+    g = torch.Generator().manual_seed(1 + rank)
+    for _ in range(steps):
+        xb = torch.randint(0, 256, (c["batch"], c["seq"]), generator=g)
+        model(xb, xb).backward()
+        opt.step()
+        opt.zero_grad()
+    peaks = dict(infinity.stats(model)["peak_bytes"], rss=_status("VmHWM"))
+    if rank == 0:
+        print("RESULT " + json.dumps({"estimate": {t: est[t]["peak"] for t in TIERS}, "measured": peaks,
+                                      "parts": est["rss"], "activations": est["activations"]}), flush=True)
+    infinity.close(model, keep_values=False)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def measure(c: dict, steps: int) -> dict:
+    """Runs configuration ``c`` on its ranks; the row of rank 0."""
+    with tempfile.TemporaryDirectory() as d:
+        c = dict(c, swap=os.path.join(d, "swap"), rdzv=os.path.join(d, "rdzv"))
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(c), "--steps", str(steps)],
+                                  env=dict(os.environ, RANK=str(r), PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for r in range(c["world"])]
+        outs = [p.communicate(timeout=600) for p in procs]
+    for out, _ in outs:
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                row = json.loads(line[len("RESULT "):])
+                row["config"] = {k: v for k, v in c.items() if k not in ("swap", "rdzv")}
+                row["error"] = {t: (row["estimate"][t] / row["measured"][t] - 1) if row["measured"][t] else
+                                (0.0 if not row["estimate"][t] else 1.0) for t in TIERS}
+                return row
+    raise RuntimeError(f"configuration {c} failed:\n" + "\n".join(e[-3000:] for _, e in outs))
+
+
+def describe(c: dict) -> str:
+    return (f"{c['place']:4} zero{c['zero']} x{c['world']} {'ckpt' if c['ckpt'] else 'full'} "
+            f"batch {c['batch']:2}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3, help="training steps per configuration (default 3)")
+    ap.add_argument("--only", default=None, help="comma-separated indexes of CONFIGS to run (default: all)")
+    ap.add_argument("--json", default=None, help="write the rows (estimate, measured, error per tier) here")
+    ap.add_argument("--extra", action="store_true", help="also two larger models (not in the test suite)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker), args.steps)
+        return 0
+    picks = [CONFIGS[int(i)] for i in args.only.split(",")] if args.only else CONFIGS + (EXTRA if args.extra else [])
+    rows, ok = [], True
+    print(f"{'configuration':30}" + "".join(f"{t + ' est/meas (MiB)':>26}" for t in TIERS))
+    for c in picks:
+        r = measure(c, args.steps)
+        rows.append(r)
+        ok &= all(abs(e) <= TOLERANCE for e in r["error"].values())
+        print(f"{describe(c):30}" + "".join(
+            f"{r['estimate'][t] / 2**20:9.1f} /{r['measured'][t] / 2**20:8.1f} {100 * r['error'][t]:+5.1f}%"
+            for t in TIERS), flush=True)
+    print(f"\nevery tier within ±{TOLERANCE:.0%}: {'PASS' if ok else 'FAIL'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
