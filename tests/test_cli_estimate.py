@@ -30,3 +30,29 @@ def test_budget_below_minimum_exits_1(tmp_path, capsys):
     assert cli("estimate", p) == 1
     assert "host budget 4.00 KiB is below the minimum" in capsys.readouterr().out
     assert cli("estimate", p, "--world", "0") == 2
+
+
+def test_suggested_placement_follows_the_machine(tmp_path, monkeypatch, capsys):
+    import torch
+
+    import infinity
+    from infinity import sysinfo
+    from infinity.cli.estimate import suggest
+    from infinity.estimator import estimate_peaks
+    from infinity.models import GPT, GPTConfig
+    p = run_file(tmp_path, runtime='offload_params = "nvme"\noffload_optimizer = "nvme"\nhost_memory = "64MiB"')
+    assert cli("estimate", p) == 0
+    assert "suggested for this machine" in capsys.readouterr().out
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=8, n_embd=512))  # 400 MB of state
+    x = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    forward = lambda m: m(x, x)  # noqa: E731
+    config = infinity.Config(device="cpu", dtype="fp32", offload_params="nvme", offload_optimizer="nvme",
+                             host_memory="64MiB", device_memory="48MiB", swap_paths=[str(tmp_path / "swap")])
+    nvme = estimate_peaks(model, config, forward)["rss"]["peak"]
+    # RAM for the NVMe placement's peak, not for keeping the state in memory.
+    monkeypatch.setattr(sysinfo, "available_ram", lambda: int((nvme + (8 << 20)) / 0.8))
+    got = suggest(model, config, forward, 1, False)
+    assert "offload_params='nvme'" in got, got
+    monkeypatch.setattr(sysinfo, "available_ram", lambda: 1 << 20)
+    assert "no placement fits" in suggest(model, config, forward, 1, False)

@@ -109,6 +109,49 @@ def render_peaks(peaks: dict) -> str:
     return "\n".join(lines)
 
 
+def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: bool) -> str:
+    """A placement for this machine: the first of none / host / nvme (with a
+    host budget) whose predicted peaks fit the free device memory, 80% of the
+    RAM this process may use and the free disk on the swap paths."""
+    import dataclasses
+    import shutil
+
+    from .. import sysinfo
+    from ..estimator import estimate_peaks
+    ram = int(0.8 * sysinfo.available_ram())
+    disk = sum(shutil.disk_usage(_existing(p)).free for p in config.swap_paths)
+    gpu = None
+    if config.device.startswith("cuda") and torch.cuda.is_available():
+        gpu = torch.cuda.mem_get_info()[0]
+    for place in ("none", "host", "nvme"):
+        cfg = dataclasses.replace(config, offload_params=place, offload_optimizer="host" if place == "none" else place,
+                                  device_memory=None if place == "none" else config.device_memory)
+        try:
+            p = estimate_peaks(model, cfg, forward, world=world, lazy=lazy)
+        except ValueError:
+            continue
+        dev_ok = gpu is None or p["device"]["peak"] + p["device"]["activations"] <= gpu
+        if dev_ok and p["rss"]["peak"] <= ram and p["nvme"]["peak"] <= disk:
+            return (f"suggested for this machine: offload_params={place!r}, offload_optimizer="
+                    f"{cfg.offload_optimizer!r} (predicted RSS {format_bytes(p['rss']['peak'])} of "
+                    f"{format_bytes(ram)} usable RAM, swap {format_bytes(p['nvme']['peak'])} of "
+                    f"{format_bytes(disk)} free disk"
+                    + (f", device {format_bytes(p['device']['peak'])} of {format_bytes(gpu)} free" if gpu else "")
+                    + ")")
+    return (f"no placement fits this machine: even with NVMe homes the run needs more than {format_bytes(ram)} "
+            f"of RAM or {format_bytes(disk)} of free disk on {config.swap_paths}; lower the micro-batch, turn on "
+            "activation checkpointing, or add swap paths")
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest existing ancestor (for the free space of a swap path not made yet)."""
+    import os
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return p
+
+
 def run(args: argparse.Namespace) -> int:
     """Prints the estimate of the run file; 1 when a given budget is below a minimum."""
     from ..estimator import estimate_peaks
@@ -117,5 +160,6 @@ def run(args: argparse.Namespace) -> int:
     est = estimate(model, config, args.world)
     print(render(est))
     print(render_peaks(estimate_peaks(model, config, forward, world=args.world, lazy=lazy)))
+    print(suggest(model, config, forward, args.world, lazy))
     short = any(est[t]["budget"] is not None and est[t]["budget"] < est[t]["minimum"] for t in ("device", "host"))
     return 1 if short else 0
