@@ -30,12 +30,12 @@ with checkpointing off).
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
 
+from . import sysinfo
 from .config import Config
 from .engine.placement import Modes, device_need, host_need, nbytes, nvme_capacity, place_unit
 from .engine.units import build_units
@@ -183,7 +183,7 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
     on_cpu = modes.device.type == "cpu"
     staging = STAGING_PER_PATH * config.swap_block_size * len(config.swap_paths) if modes.nvme_used else 0
     model_fp32 = 0 if lazy else sum(4 * p.numel() for p in model.parameters())
-    base = baseline_rss if baseline_rss is not None else _rss_now()
+    base = baseline_rss if baseline_rss is not None else sysinfo.rss_bytes()
     training = host["peak"] + staging + RUNTIME_BYTES + ((dev["peak"] + act_peak) if on_cpu else 0)
     at_init = model_fp32 + host["peak"]
     rss = {"baseline": base, "model_fp32_at_initialize": model_fp32, "host_pool": host["peak"],
@@ -192,18 +192,3 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
     dev["activations"] = 0 if on_cpu else act_peak  # on CUDA beside the tier, in the device's memory
     return {"device": dev, "host": host, "nvme": nvme, "rss": rss, "activations": act,
             "units": {"count": len(units), "parameters": sum(p.numel() for p in model.parameters())}}
-
-
-def _rss_now() -> int:
-    try:
-        with open(f"/proc/{os.getpid()}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
-        return psutil.Process().memory_info().rss
-    except ImportError:
-        return 0

@@ -88,15 +88,40 @@ def _scan(base: str, rel: str, limit_file: str, usage_file: str) -> List[MemoryL
     return out
 
 
-def _mem_available() -> int:
+def _kib_field(path: str, key: str) -> Optional[int]:
+    """Bytes of the ``key:  N kB`` line of a /proc file, None if absent."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
+
+
+def _mem_available() -> int:
+    got = _kib_field("/proc/meminfo", "MemAvailable")
+    return got if got is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def rss_bytes(peak: bool = False) -> int:
+    """This process's resident bytes now, or with ``peak`` the most since it
+    started or since :func:`reset_peak_rss` (the kernel's VmRSS / VmHWM)."""
+    got = _kib_field("/proc/self/status", "VmHWM" if peak else "VmRSS")
+    if got is not None:
+        return got
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> None:
+    """Resets the kernel's peak mark (VmHWM), so it covers only what follows (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def available_ram() -> int:

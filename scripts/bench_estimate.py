@@ -37,14 +37,6 @@ EXTRA = [dict(BASE, layers=8, embd=384, seq=256, dev=40 << 20, host=1 << 30),
          dict(BASE, layers=6, embd=512, batch=16, ckpt=True, place="nvme", dev=56 << 20, host=200 << 20)]
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
 def worker(c: dict, steps: int) -> None:
     """One rank of one configuration: prints RESULT {estimate, measured}."""
     import torch
@@ -57,7 +49,8 @@ def worker(c: dict, steps: int) -> None:
     if world > 1:
         dist.init_process_group("gloo", init_method="file://" + c["rdzv"], rank=rank, world_size=world)
     torch.set_num_threads(1)
-    base = _status("VmRSS")
+    from infinity import sysinfo
+    base = sysinfo.rss_bytes()
     gcfg = GPTConfig(vocab_size=256, block_size=c["seq"], n_layer=c["layers"], n_head=4, n_embd=c["embd"],
                      checkpoint=c["ckpt"])
     cfg = infinity.Config(device="cpu", dtype="fp32", offload_params=c["place"], offload_optimizer=c["place"],
@@ -76,7 +69,7 @@ def worker(c: dict, steps: int) -> None:
         model(xb, xb).backward()
         opt.step()
         opt.zero_grad()
-    peaks = dict(infinity.stats(model)["peak_bytes"], rss=_status("VmHWM"))
+    peaks = dict(infinity.stats(model)["peak_bytes"], rss=sysinfo.rss_bytes(peak=True))
     if rank == 0:
         print("RESULT " + json.dumps({"estimate": {t: est[t]["peak"] for t in TIERS}, "measured": peaks,
                                       "parts": est["rss"], "activations": est["activations"]}), flush=True)

@@ -41,7 +41,7 @@ from infinity.corpus import stdlib_corpus  # noqa: E402
 from infinity.cli.metrics import Metrics  # noqa: E402
 from infinity.config import format_bytes  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
-from infinity import perf  # noqa: E402
+from infinity import perf, sysinfo  # noqa: E402
 
 PROMPT = "The function returns "
 
@@ -188,27 +188,6 @@ def lower_bound(n_params: int, step_moved: dict, compute_s: float, dev, swap_dir
             "bound_s": max(compute_s + opt_s, transfer), "bandwidth_Bps": bw}
 
 
-def peak_rss_reset() -> None:
-    """Resets the kernel's peak-RSS mark (VmHWM) so it covers only what follows."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def account(ph: Phases, times, stats: dict, skip: int) -> dict:
     """The mean step (steps after ``skip``) split into its measured parts."""
     parts = ph.mean(skip)
@@ -277,7 +256,7 @@ def run(args) -> dict:
     print(f"\nsample before training: {sample(plain)!r}")
     plain_step, compute = train_plain(plain, Batches(data, args.batch, args.seq), args, dev)
     del plain
-    peak_rss_reset()
+    sysinfo.reset_peak_rss()
     model, opt = infinity.initialize(model, config, lr=args.lr, weight_decay=0.1)
     os.makedirs(args.out, exist_ok=True)
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), 1, args.steps, 0, args.batch * args.seq, False)
@@ -285,7 +264,7 @@ def run(args) -> dict:
     losses, times, ph = train_infinity(model, opt, Batches(data, args.batch, args.seq), args, dev, metrics)
     metrics.close()
     s = infinity.stats(model)
-    rss = peak_rss()
+    rss = sysinfo.rss_bytes(peak=True)
     skip = min(2, args.steps - 1)
     bound = lower_bound(n, s["step_bytes_moved"], compute, dev, swap, args.offload)  # the swap paths still exist
     infinity.close(model)  # swap files removed; the model keeps its trained fp32 values
