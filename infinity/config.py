@@ -231,6 +231,8 @@ class Config:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"Config.{name}={v!r}: must be > 0")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise TypeError(f"Config.seed={self.seed!r}: must be an int (a torch.manual_seed seed)")
 
     def _validate_unit_classes(self) -> None:
         if self.unit_classes is not None:

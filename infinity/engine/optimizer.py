@@ -103,11 +103,12 @@ class InfinityOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             check_hyperparameters(float(g["lr"]), g["betas"], g["eps"], g["weight_decay"])
         eng = self.engine
+        had_grads = eng.gradients.micro_batches > 0  # torch keeps them (p.grad) until zero_grad()
         with eng.faults.guard("optimizer.step()"):
             if eng.in_pass and eng.pass_grad:
                 eng.end_pass()  # step() without a finished backward: release the pass
             self.schedule.step(self)
-        eng.gradients.open_window(stepped=True)
+        eng.gradients.open_window(stepped=had_grads)
         eng.after_step()
         eng.stats.end_step_window()
         return loss
