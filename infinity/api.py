@@ -203,7 +203,9 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     optimizer kernels) and ``optimizer_wait_seconds`` (of that, what step()
     waited for); ``overlap`` (share of optimizer time hidden behind
     forward/backward); ``fetches``, ``prefetches``, ``evictions``, ``steps``,
-    ``skipped_steps``, ``trace_invalidations``, ``units``; ``loss_scale``.
+    ``skipped_steps``, ``trace_invalidations``, ``units``; ``loss_scale``;
+    ``pressure_events`` (what the engine gave back under memory pressure,
+    and when) and ``host_cache_cap`` (the host cache's cap now, or None).
     """
     eng = engine_of(model)
     s = eng.stats
@@ -235,6 +237,8 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "zero_stage": eng.modes.zero,
         "world_size": eng.sharding.world,
         "host_pinned": eng.host_tier.pinned,
+        "pressure_events": list(eng.pressure.events),
+        "host_cache_cap": eng.cache.cap_bytes,
     }
 
 

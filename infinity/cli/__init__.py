@@ -21,12 +21,12 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand."""
-    from . import checkpoint, doctor, estimate, report, train
+    from . import checkpoint, doctor, estimate, report, stress, train
     ap = argparse.ArgumentParser(prog="infinity", description="infinity: out-of-core training for PyTorch "
                                  "(docs/cli.md)")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for mod in (train, doctor, report, estimate, checkpoint):
+    for mod in (train, doctor, report, estimate, checkpoint, stress):
         mod.add_parser(sub)
     return ap
 

@@ -36,6 +36,7 @@ from .mover import DeferredTicket, make_mover
 from .nvme import NvmeTier
 from .optstate import OptimizerState
 from .placement import Modes, device_need, host_need, nvme_capacity, place_unit
+from .pressure import PressureMonitor
 from .residency import Residency
 from .saved import SavedTensorRouter
 from .state import DeviceState, Quiet
@@ -119,6 +120,7 @@ class Engine:
         self.cache.drop_read_ahead = self.optstate.drop_read_ahead
         self.residency = Residency(self.units, modes, dev_tier, self.mover, self.trace, self.stats, self.sharding,
                                    self.cache, self.device_minimum, self.quiet)
+        self.pressure = PressureMonitor(self)
 
     def _host_budget(self, need) -> int:
         """``host_memory``, or 80% of the memory this process may use (the
@@ -156,9 +158,11 @@ class Engine:
         return self.device_need().minimum
 
     def after_step(self) -> None:
-        """Called at the end of every optimizer step (see [Note: the default device budget])."""
+        """Called at the end of every optimizer step (see [Note: the default
+        device budget] and [Note: memory pressure])."""
         self.values_version += 1
         self.budget.after_step()
+        self.pressure.after_step()
 
     @property
     def device_budget(self) -> int:

@@ -87,6 +87,7 @@ class HostCache:
     """
 
     def __init__(self, units, modes, tier: HostTier, nvme, trace, stats):
+        self.cap_bytes: Optional[int] = None  # a soft cap on the pool's use while memory is tight (pressure.py)
         self.units, self.modes, self.tier, self.nvme, self.trace, self.stats = units, modes, tier, nvme, trace, stats
         self.lock = OwnedLock()
         self._deferred: List[Tuple[object, object]] = []  # (I/O handle, buffer) freed when the write is done
@@ -117,6 +118,11 @@ class HostCache:
         copy, taken from the top of the pool (fp32 state and gradients from
         the bottom), so neither class fragments the other's free space."""
         with self.lock:
+            if compute and self.cap_bytes is not None:
+                # Under memory pressure the compute-copy cache keeps below its cap (see pressure.py).
+                need = round_pool(nbytes(numel, dtype))
+                while self.tier.used_bytes + need > self.cap_bytes and self.evict_one(protect):
+                    pass
             while True:
                 try:
                     return self.tier.acquire(numel, dtype, zero, high=compute)

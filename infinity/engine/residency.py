@@ -61,6 +61,7 @@ class Residency:
         self._clock = 0
         self._wanted: List = []    # backward needs them; no room yet (see [Note: pins])
         self._protected: set = set()  # unit indexes unpacked since the last hook
+        self.depth_limit: Optional[int] = None  # prefetch depth lowered under memory pressure (pressure.py)
         for u in units:
             u.dev = DeviceRecord()
 
@@ -263,7 +264,7 @@ class Residency:
     def _prefetch(self) -> None:
         """Brings the plan's units up early, never evicting a unit needed
         sooner than the one being brought in."""
-        depth = self.modes.depth
+        depth = self.modes.depth if self.depth_limit is None else min(self.modes.depth, self.depth_limit)
         if depth == 0 or not self.trace.has_trace or self.modes.params_on_device:
             return
         plan = policy.prefetch_plan(self.trace.upcoming(4 * depth + 4), depth, self.modes.prefetch_bytes,

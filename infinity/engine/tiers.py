@@ -170,6 +170,10 @@ class HostTier:
     def release(buf) -> None:
         buf.release()
 
+    def release_free_pages(self) -> int:
+        """The pool's free pages back to the OS (bytes; see HostPool.release_free_pages)."""
+        return self.pool.release_free_pages() if self.pool is not None else 0
+
     @property
     def free_bytes(self) -> int:
         return self.pool.free_bytes if self.pool is not None else 0

@@ -102,6 +102,10 @@ class ExtentAllocator:
     def size_of(self, offset: int) -> int:
         return self._used[offset]
 
+    def free_ranges(self) -> List[Tuple[int, int]]:
+        """Free (offset, size) ranges, sorted by offset."""
+        return list(zip(self._starts, self._sizes))
+
     def extents(self) -> List[Tuple[int, int]]:
         """Allocated (offset, size) pairs, sorted."""
         return sorted(self._used.items())

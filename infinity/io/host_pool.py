@@ -424,6 +424,26 @@ class HostPool:
                         f"{self._alloc.largest_free()} bytes" + ("" if not block else f" after {timeout} s"))
                 self._cv.wait(remaining)
 
+    def release_free_pages(self) -> int:
+        """Gives the pages of every free range back to the OS (madvise
+        MADV_DONTNEED: they read as zeros when next touched), so the resident
+        set shrinks with what is in use. Not for page-locked pools, whose pages
+        stay. Returns the bytes advised (0 where the platform refuses)."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None or self.pinned:
+            return 0
+        done = 0
+        with self._cv:
+            if self.closed:
+                return 0
+            for off, size in self._alloc.free_ranges():
+                try:
+                    self._map.mm.madvise(advice, off, size)
+                    done += size
+                except (OSError, ValueError):
+                    pass
+        return done
+
     def _release(self, offset: int) -> None:
         with self._cv:
             self._alloc.free(offset)

@@ -1,0 +1,234 @@
+"""The scenarios of ``infinity stress``: each runs jobs in their own
+processes (infinity/stress/worker.py) and judges what they report.
+
+A scenario returns a row: ``name``, ``passed``, ``checks`` (what was
+checked, each True/False), ``peaks``/``budgets`` of its main job, step time
+p50/p95, the first error message seen, ``resumed_exactly`` where a fault
+was followed by a resume, and ``notes``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+__all__ = ["SCENARIOS", "Context"]
+
+
+class Context:
+    """The stress run's model, folders and reference losses."""
+
+    def __init__(self, out: str, swap_root: str, quick: bool, minutes: float):
+        self.out, self.swap_root, self.quick, self.minutes = out, swap_root, quick, minutes
+        self.base = dict(layers=6, embd=192, seq=64, batch=4, place="nvme", depth=2)
+        self.steps = 6
+        self._ref: Optional[Dict[int, float]] = None
+        self._n = 0
+
+    def job(self, **kw) -> dict:
+        """A job with its own swap folder (``swap=`` to share one); budgets:
+        the host's a third of the model state (at least its minimum), the
+        device's twice its minimum."""
+        self._n += 1
+        if "host_memory" not in self.base:
+            mins = self.budgets()
+            self.base.update(host_memory=max(mins["host"], mins["state"] // 3), device_memory=2 * mins["device"])
+        j = dict(self.base, end=self.steps, swap=os.path.join(self.swap_root, f"job{self._n}"))
+        j.update(kw)
+        return j
+
+    def run(self, job: dict, timeout: float = 600, preexec: Optional[Callable] = None) -> dict:
+        """Runs ``job`` in a new process: its RESULT plus ``returncode`` and ``seconds``."""
+        t0 = time.time()
+        p = subprocess.run([sys.executable, "-m", "infinity.stress.worker", json.dumps(job)], capture_output=True,
+                           text=True, timeout=timeout, preexec_fn=preexec)
+        res = {"losses": {}, "error": None}
+        for line in p.stdout.splitlines():
+            if line.startswith("RESULT "):
+                res = json.loads(line[len("RESULT "):])
+            elif line.startswith("LOSS "):  # kept even when the process died before RESULT
+                _, step, value = line.split()
+                res["losses"].setdefault(step, float(value))
+        res["losses"] = {int(k): v for k, v in res["losses"].items()}
+        res.update(returncode=p.returncode, seconds=time.time() - t0, stderr=p.stderr[-2000:])
+        return res
+
+    def reference(self) -> Dict[int, float]:
+        """Losses of an uninterrupted run (computed once)."""
+        if self._ref is None:
+            self._ref = self.run(self.job())["losses"]
+        return self._ref
+
+    def budgets(self, **kw) -> Dict[str, int]:
+        """The model's minimum device and host budgets under the stress placement (bytes; ``kw``: job changes)."""
+        import torch
+
+        from ..estimator import estimate_peaks
+        from .worker import build
+        job = dict(self.base, device_memory=None, host_memory=None, swap=self.swap_root, **kw)
+        with torch.device("meta"):
+            model, cfg = build(job)
+        p = estimate_peaks(model, cfg)
+        return {"device": p["device"]["minimum"], "host": p["host"]["minimum"], "state": 16 * p["units"]["parameters"]}
+
+
+def _row(name: str, checks: Dict[str, bool], main: Optional[dict] = None, **kw) -> dict:
+    steps = (main or {}).get("step_s") or []
+    row = {"name": name, "passed": all(checks.values()), "checks": checks,
+           "peaks": (main or {}).get("peak"), "budgets": (main or {}).get("budget"),
+           "p50_s": statistics.median(steps) if steps else None,
+           "p95_s": sorted(steps)[int(0.95 * (len(steps) - 1))] if steps else None,
+           "first_error": (main or {}).get("error")}
+    row.update(kw)
+    return row
+
+
+def _held(res: dict) -> bool:
+    p, b = res.get("peak") or {}, res.get("budget") or {}
+    return bool(p) and all(p[t] <= b[t] for t in ("device", "host") if b.get(t))
+
+
+def budget_squeeze(ctx: Context) -> dict:
+    """Device budget stepped down to the minimum: peaks within budgets at
+    every level, throughput per level; below the minimum a refusal naming bytes."""
+    mins = ctx.budgets()
+    host = max(mins["host"], mins["state"] // 3)
+    levels, checks, curve, main = ([2.0, 1.0] if ctx.quick else [4.0, 2.0, 1.5, 1.25, 1.0]), {}, [], None
+    for f in levels:
+        res = ctx.run(ctx.job(device_memory=int(f * mins["device"]), host_memory=host, end=3))
+        checks[f"device {f:g}x minimum: ran, peaks within budgets"] = res["error"] is None and _held(res)
+        curve.append({"device_budget": int(f * mins["device"]), "p50_s": statistics.median(res["step_s"] or [0])})
+        main = main or res
+    below = ctx.run(ctx.job(device_memory=int(0.9 * mins["device"]), host_memory=host, end=1))
+    checks["below the minimum: refused naming the bytes"] = bool(below["error"]) and "needs at least" in below["error"]
+    low_host = ctx.run(ctx.job(device_memory=2 * mins["device"], host_memory=mins["host"] // 2, end=1))
+    checks["host budget below its minimum: refused naming the bytes"] = \
+        bool(low_host["error"]) and "bytes" in low_host["error"] and "host_memory" in low_host["error"]
+    return _row("budget squeeze", checks, main, curve=curve, refusal=below["error"], state_bytes=mins["state"],
+                host_budget=host)
+
+
+def ram_squeeze(ctx: Context) -> dict:
+    """RAM left to the process falls (a simulated signal, steps 2-4): the
+    run gives way (cache capped, pages returned, prefetch lowered), goes on
+    to the same losses, and grows back."""
+    res = ctx.run(ctx.job(end=ctx.steps + 4, pressure=[2, 4, 100 << 20]))
+    ref = ctx.reference()
+    actions = [e["action"] for e in res.get("events", [])]
+    checks = {"finished": res["error"] is None and res["returncode"] == 0,
+              "gave way": "cap host cache" in actions or "lower prefetch depth" in actions,
+              "grew back": "grow back" in actions,
+              "same losses as the undisturbed run": all(res["losses"].get(k) == v for k, v in ref.items()),
+              "not OOM-killed": res["returncode"] != -9}
+    return _row("RAM squeeze (simulated signal)", checks, res, events=res.get("events"),
+                notes="the real ballast process and cgroup limits are not run yet")
+
+
+def pinned_squeeze(ctx: Context) -> dict:
+    """``ulimit -l`` small: the run goes on (on CUDA with one warning and unlocked memory)."""
+    import resource
+
+    def small_memlock():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))
+
+    res = ctx.run(ctx.job(end=3), preexec=small_memlock)
+    checks = {"finished under ulimit -l 64": res["error"] is None and res["returncode"] == 0,
+              "at most one pinning warning": res.get("stderr", "").count("pin") <= 1}
+    return _row("pinned-memory squeeze", checks, res, notes="CPU device: the host pool is not page-locked here")
+
+
+def disk_faults(ctx: Context) -> dict:
+    """EIO and a short transfer at block k (retried: nothing lost), a
+    corrupted swap extent (a named error in seconds, the last checkpoint
+    intact, resumed exactly), and a swap path too small (refused naming it)."""
+    ref, checks = ctx.reference(), {}
+    for spec, retried in (("read:9:EIO", 1), ("write:7:short", 0)):  # a short transfer completes inside the I/O engine
+        res = ctx.run(ctx.job(io_fault=spec))
+        checks[f"{spec}: survived, same losses"] = res["error"] is None and res["losses"] == ref and \
+            res["retried"] >= retried
+    ck = os.path.join(ctx.out, "ck-corrupt")
+    swap = os.path.join(ctx.swap_root, "corrupt")
+    bad = ctx.run(ctx.job(swap=swap, ckpt=ck, ckpt_every=2, corrupt_after=3))
+    err = bad["error"] or ""
+    checks["corrupt extent: a named checksum error"] = "Checksum" in err and ("swap" in err or "key" in err)
+    again = ctx.run(ctx.job(swap=swap, ckpt=ck, resume=True))
+    # The flipped moments fail the step after them, or the checkpoint that reads them: the latest complete one is kept.
+    checks["resumed from the last checkpoint exactly"] = again["error"] is None and bool(again["losses"]) and \
+        all(ref[k] == v for k, v in again["losses"].items()) and max(again["losses"]) == ctx.steps - 1
+    tiny = _tiny_fs(ctx)
+    if tiny is not None:
+        try:
+            small = ctx.run(ctx.job(swap=tiny, end=1))
+        finally:
+            subprocess.run(["umount", tiny], capture_output=True)
+        checks["swap filesystem too small: refused naming the path"] = bool(small["error"]) and tiny in small["error"]
+    return _row("disk faults", checks, bad, first_error=err, resumed_exactly=checks[
+        "resumed from the last checkpoint exactly"])
+
+
+def _tiny_fs(ctx: Context) -> Optional[str]:
+    """A 2 MiB tmpfs (root only), or None."""
+    path = os.path.join(ctx.swap_root, "tiny")
+    os.makedirs(path, exist_ok=True)
+    if os.geteuid() != 0:
+        return None
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", path], capture_output=True)
+    return path if r.returncode == 0 else None
+
+
+def process_faults(ctx: Context) -> dict:
+    """SIGKILL and SIGTERM mid-step: the process ends; a new run on the same
+    swap folder starts (the dead run's lock and files reclaimed) and resumes
+    exactly from the last checkpoint."""
+    ref, checks = ctx.reference(), {}
+    first = None
+    for sig in ("KILL", "TERM"):
+        ck = os.path.join(ctx.out, f"ck-{sig.lower()}")
+        swap = os.path.join(ctx.swap_root, f"sig-{sig.lower()}")
+        dead = ctx.run(ctx.job(swap=swap, ckpt=ck, ckpt_every=2, kill_at=3, signal=sig))
+        first = first or dead
+        ended = dead["returncode"] == -9 if sig == "KILL" else (dead["returncode"] in (0, 143) and
+                                                               "Terminated" in (dead["error"] or ""))
+        checks[f"SIG{sig} mid-step ended the run"] = ended
+        again = ctx.run(ctx.job(swap=swap, ckpt=ck, resume=True))
+        checks[f"after SIG{sig}: same swap folder, resumed exactly"] = again["error"] is None and \
+            all(ref[k] == v for k, v in again["losses"].items()) and min(again["losses"], default=99) == 2
+    return _row("process faults", checks, first, resumed_exactly=all(v for k, v in checks.items() if "resumed" in k))
+
+
+def soak(ctx: Context) -> dict:
+    """Training for a while with deep prefetch: RSS, file descriptors and
+    threads flat after warm-up (RSS slope <= 1 MiB/min)."""
+    seconds = 20 if ctx.quick else 60 * ctx.minutes
+    mins = ctx.budgets(depth=4)
+    res = ctx.run(ctx.job(end=0, seconds=seconds, depth=4, sample=True, device_memory=2 * mins["device"],
+                          host_memory=max(mins["host"], mins["state"] // 3)), timeout=seconds + 300)
+    s = res.get("samples") or []
+    warm = s[len(s) // 5:] if len(s) >= 10 else s
+    slope = _slope([x["t"] for x in warm], [x["rss"] for x in warm]) * 60 if len(warm) >= 2 else float("inf")
+    checks = {"ran": res["error"] is None and bool(s),
+              "RSS slope <= 1 MiB/min": slope <= (1 << 20),
+              "no fd growth": bool(warm) and warm[-1]["fds"] <= warm[0]["fds"],
+              "no thread growth": bool(warm) and warm[-1]["threads"] <= warm[0]["threads"]}
+    return _row("soak", checks, res, rss_slope_bytes_per_min=slope, steps=len(res.get("step_s") or []),
+                seconds=seconds, samples=s)
+
+
+def _slope(xs: List[float], ys: List[float]) -> float:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+
+
+SCENARIOS = {"budget": budget_squeeze, "ram": ram_squeeze, "pinned": pinned_squeeze, "disk": disk_faults,
+             "process": process_faults, "soak": soak}
+
+
+def clean(ctx: Context) -> None:
+    shutil.rmtree(ctx.swap_root, ignore_errors=True)
