@@ -126,8 +126,76 @@ def ram_squeeze(ctx: Context) -> dict:
               "grew back": "grow back" in actions,
               "same losses as the undisturbed run": all(res["losses"].get(k) == v for k, v in ref.items()),
               "not OOM-killed": res["returncode"] != -9}
-    return _row("RAM squeeze (simulated signal)", checks, res, events=res.get("events"),
-                notes="the real ballast process and cgroup limits are not run yet")
+    notes = "simulated signal"
+    if not ctx.quick:
+        cg = _memory_cgroup(ctx)
+        if cg is None:
+            notes += "; no writable memory cgroup here: the cgroup cases did not run"
+        else:
+            got, outcomes = _cgroup_cases(ctx, cg)
+            checks.update(got)
+            notes += "; cgroup limits just above and just below the run's estimated need: " + "; ".join(outcomes)
+    return _row("RAM squeeze", checks, res, events=res.get("events"), notes=notes)
+
+
+def _memory_cgroup(ctx: Context) -> Optional[str]:
+    """A new child of this process's memory cgroup (v1 or v2), or None where it cannot be made."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.split(":", 2) for ln in f.read().splitlines()]
+    except OSError:
+        return None
+    for _, controllers, rel in lines:
+        base = "/sys/fs/cgroup/memory" if "memory" in controllers.split(",") else \
+            ("/sys/fs/cgroup" if controllers == "" else None)
+        if base is None or not os.path.isdir(base + rel):
+            continue
+        path = os.path.join(base + rel, f"infinity-stress-{os.getpid()}")
+        try:
+            os.mkdir(path)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def _cgroup_cases(ctx: Context, cg: str):
+    """The run under a cgroup limit just above, then just below, its need: it
+    goes on (giving way where it must) or stops with MemoryPressureError;
+    never killed by the OOM killer."""
+    import torch
+
+    from ..estimator import estimate_peaks
+    from .worker import build
+    v1 = os.path.exists(os.path.join(cg, "memory.limit_in_bytes"))
+    limit_file = os.path.join(cg, "memory.limit_in_bytes" if v1 else "memory.max")
+    with torch.device("meta"):
+        model, cfg = build(ctx.job())
+    need = estimate_peaks(model, cfg)["rss"]["peak"]
+    checks, outcomes = {}, []
+    try:
+        for name, limit in (("above", int(need * 1.25)), ("below", int(need * 0.9))):
+            with open(limit_file, "w") as f:
+                f.write(str(limit))
+            res = ctx.run(ctx.job(end=ctx.steps), preexec=lambda: _join(cg))
+            err = res.get("error") or ""
+            ok = res["returncode"] != -9 and (res["error"] is None or "MemoryPressureError" in err)
+            checks[f"cgroup limit {limit >> 20} MiB ({name} the estimated need {need >> 20} MiB): went on or "
+                   "stopped with MemoryPressureError, not OOM-killed"] = ok
+            acts = sorted({e["action"] for e in res.get("events") or []})
+            outcomes.append(f"{name}: " + ("finished" if res["error"] is None else err.split(":")[0])
+                            + (f", gave way ({', '.join(acts)})" if acts else "") + f", exit {res['returncode']}")
+    finally:
+        try:
+            os.rmdir(cg)
+        except OSError:
+            pass
+    return checks, outcomes
+
+
+def _join(cg: str) -> None:
+    with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
 
 
 def pinned_squeeze(ctx: Context) -> dict:
