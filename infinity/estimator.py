@@ -30,6 +30,7 @@ with checkpointing off).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, Optional
 
 import torch
@@ -61,15 +62,21 @@ def activation_bytes(model: nn.Module, run: Callable[[nn.Module], torch.Tensor],
                      unit_modules=()) -> Dict[str, int]:
     """What autograd saves for backward in ``run(model)`` (a forward on meta
     tensors returning the loss), parameters excluded, each storage once:
-    ``saved`` (bytes) and ``unit`` (the most saved inside one call of one of
-    ``unit_modules`` (the paging units' modules), measured with activation checkpointing off: what a
-    block's backward holds, and with checkpointing what its recomputation
-    adds), ``checkpointing`` (whether the model checkpoints)."""
+    ``saved`` (bytes), ``unit`` (the most saved inside one call of one of
+    ``unit_modules``, the paging units' modules, measured with activation
+    checkpointing off: what a block's backward holds, and with checkpointing
+    what its recomputation adds), ``checkpointing`` (1 if the model
+    checkpoints) and ``saved_other`` (``saved`` with checkpointing the other
+    way, where the model can switch it: the built-in GPT, Hugging Face
+    models; else -1)."""
+    on = _checkpointing_state(model)
     saved, unit = _saved(model, run, unit_modules)
-    with _checkpointing_off(model) as was_on:
-        if was_on:
-            unit = _saved(model, run, unit_modules)[1]
-    return {"saved": saved, "unit": unit, "checkpointing": int(was_on)}
+    other = -1
+    with _checkpointing(model, not on) as switched:
+        if switched:
+            other, unit_other = _saved(model, run, unit_modules)
+            unit = unit_other if on else unit
+    return {"saved": saved, "unit": unit, "checkpointing": int(on), "saved_other": other}
 
 
 def _saved(model: nn.Module, run, unit_modules):
@@ -103,28 +110,36 @@ def _saved(model: nn.Module, run, unit_modules):
     return sum(seen.values()), max(per_call)
 
 
-class _checkpointing_off:
-    """Turns a model's activation checkpointing off for a measurement (the
-    built-in GPT's ``cfg.checkpoint``, Hugging Face's ``is_gradient_checkpointing``);
-    yields whether it was on."""
+def _checkpointing_state(model: nn.Module) -> bool:
+    gpt = getattr(getattr(model, "cfg", None), "checkpoint", None)
+    return bool(gpt) if gpt is not None else bool(getattr(model, "is_gradient_checkpointing", False))
 
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.gpt = getattr(getattr(model, "cfg", None), "checkpoint", None)
-        self.hf = bool(getattr(model, "is_gradient_checkpointing", False))
 
-    def __enter__(self) -> bool:
-        if self.gpt:
-            self.model.cfg.checkpoint = False
-        if self.hf:
-            self.model.gradient_checkpointing_disable()
-        return bool(self.gpt) or self.hf
+@contextlib.contextmanager
+def _checkpointing(model: nn.Module, on: bool):
+    """Activation checkpointing switched to ``on`` for a measurement (the
+    built-in GPT's ``cfg.checkpoint``, Hugging Face's gradient checkpointing);
+    yields whether the model could be switched, and switches it back."""
+    was = _checkpointing_state(model)
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and hasattr(cfg, "checkpoint"):
+        cfg.checkpoint = on
+        try:
+            yield True
+        finally:
+            cfg.checkpoint = was
+    elif getattr(model, "supports_gradient_checkpointing", False):
+        (model.gradient_checkpointing_enable if on else model.gradient_checkpointing_disable)()
+        try:
+            yield True
+        finally:
+            (model.gradient_checkpointing_enable if was else model.gradient_checkpointing_disable)()
+    else:
+        yield False
 
-    def __exit__(self, *exc) -> None:
-        if self.gpt:
-            self.model.cfg.checkpoint = True
-        if self.hf:
-            self.model.gradient_checkpointing_enable()
+
+def _act_peak(saved: int, unit: int, checkpointing) -> int:
+    return saved + (RECOMPUTE_UNITS * unit if checkpointing else 0)
 
 
 def _device_peak(places, modes: Modes, budget: Optional[int], largest_param_grad: int) -> Dict[str, int]:
@@ -174,12 +189,16 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
             "capacity": nvme_capacity(host_need(places, modes), len(units), len(config.swap_paths))
             if modes.nvme_used else 0}
     act = activation_bytes(model, run, [m for u in units[1:] for m in u.modules]) if run is not None else \
-        {"saved": 0, "unit": 0, "checkpointing": 0}
+        {"saved": 0, "unit": 0, "checkpointing": 0, "saved_other": -1}
     # Without checkpointing the backward frees each block's saved tensors as it
     # makes their gradients: the peak is about what was saved. With it, a
     # recomputed block's activations, their gradients and temporaries come on
     # top during its backward: about three blocks' worth (measured).
-    act_peak = act["saved"] + (RECOMPUTE_UNITS * act["unit"] if act["checkpointing"] else 0)
+    act_peak = _act_peak(act["saved"], act["unit"], act["checkpointing"])
+    if act["saved_other"] >= 0:  # the other way, for the user to compare
+        act["peak_" + ("without" if act["checkpointing"] else "with") + "_checkpointing"] = \
+            _act_peak(act["saved_other"], act["unit"], not act["checkpointing"])
+    act["peak_" + ("with" if act["checkpointing"] else "without") + "_checkpointing"] = act_peak
     on_cpu = modes.device.type == "cpu"
     staging = STAGING_PER_PATH * config.swap_block_size * len(config.swap_paths) if modes.nvme_used else 0
     model_fp32 = 0 if lazy else sum(4 * p.numel() for p in model.parameters())

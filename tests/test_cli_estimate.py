@@ -42,7 +42,9 @@ def test_suggested_placement_follows_the_machine(tmp_path, monkeypatch, capsys):
     from infinity.models import GPT, GPTConfig
     p = run_file(tmp_path, runtime='offload_params = "nvme"\noffload_optimizer = "nvme"\nhost_memory = "64MiB"')
     assert cli("estimate", p) == 0
-    assert "suggested for this machine" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "suggested for this machine" in out
+    assert "without activation checkpointing" in out and "with activation checkpointing" in out
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=8, n_embd=512))  # 400 MB of state
     x = torch.zeros(2, 64, dtype=torch.long, device="meta")

@@ -106,6 +106,10 @@ def render_peaks(peaks: dict) -> str:
     lines.append(f"\nactivations saved for backward: {format_bytes(a['saved'])} (one block {format_bytes(a['unit'])}, "
                  f"activation checkpointing {'on' if a['checkpointing'] else 'off'}); rss is the process's peak "
                  "resident memory, device activations count beside the tier on CUDA")
+    for mode in ("without", "with"):
+        if f"peak_{mode}_checkpointing" in a:
+            lines.append(f"activations at their peak {mode} activation checkpointing: "
+                         f"{format_bytes(a[f'peak_{mode}_checkpointing'])}")
     return "\n".join(lines)
 
 
