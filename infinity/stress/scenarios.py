@@ -212,7 +212,8 @@ def pinned_squeeze(ctx: Context) -> dict:
 
 
 def disk_faults(ctx: Context) -> dict:
-    """EIO and a short transfer at block k (retried: nothing lost), a
+    """EIO and a short transfer at block k (retried: nothing lost), the swap
+    folder removed mid-run (the open files carry on: nothing lost), a
     corrupted swap extent (a named error in seconds, the last checkpoint
     intact, resumed exactly), and a swap path too small (refused naming it)."""
     ref, checks = ctx.reference(), {}
@@ -220,6 +221,9 @@ def disk_faults(ctx: Context) -> dict:
         res = ctx.run(ctx.job(io_fault=spec))
         checks[f"{spec}: survived, same losses"] = res["error"] is None and res["losses"] == ref and \
             res["retried"] >= retried
+    gone = ctx.run(ctx.job(remove_swap_after=2))
+    checks["swap folder removed mid-run: the open files carry on, same losses, clean close"] = \
+        gone["error"] is None and gone["losses"] == ref and gone["returncode"] == 0
     ck = os.path.join(ctx.out, "ck-corrupt")
     swap = os.path.join(ctx.swap_root, "corrupt")
     bad = ctx.run(ctx.job(swap=swap, ckpt=ck, ckpt_every=2, corrupt_after=3))

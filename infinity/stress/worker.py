@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -76,6 +77,8 @@ def _step(job, model, opt, eng, step: int) -> float:
     opt.zero_grad()
     if job.get("corrupt_after") == step:
         _flip_moments(eng)
+    if job.get("remove_swap_after") == step:
+        shutil.rmtree(job["swap"])  # an operator's rm -rf: the open files live on until closed
     return loss.item()
 
 
