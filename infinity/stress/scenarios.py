@@ -214,8 +214,10 @@ def pinned_squeeze(ctx: Context) -> dict:
 def disk_faults(ctx: Context) -> dict:
     """EIO and a short transfer at block k (retried: nothing lost), the swap
     folder removed mid-run (the open files carry on: nothing lost), a
-    corrupted swap extent (a named error in seconds, the last checkpoint
-    intact, resumed exactly), and a swap path too small (refused naming it)."""
+    checkpoint filesystem that fills (the save refused naming the bytes, the
+    run goes on, the checkpoint that fitted resumes exactly), a corrupted
+    swap extent (a named error in seconds, the last checkpoint intact,
+    resumed exactly), and a swap path too small (refused naming it)."""
     ref, checks = ctx.reference(), {}
     for spec, retried in (("read:9:EIO", 1), ("write:7:short", 0)):  # a short transfer completes inside the I/O engine
         res = ctx.run(ctx.job(io_fault=spec))
@@ -233,6 +235,7 @@ def disk_faults(ctx: Context) -> dict:
     # The flipped moments fail the step after them, or the checkpoint that reads them: the latest complete one is kept.
     checks["resumed from the last checkpoint exactly"] = again["error"] is None and bool(again["losses"]) and \
         all(ref[k] == v for k, v in again["losses"].items()) and max(again["losses"]) == ctx.steps - 1
+    checks.update(_full_checkpoint_disk(ctx, ref))
     tiny = _tiny_fs(ctx)
     if tiny is not None:
         try:
@@ -244,14 +247,36 @@ def disk_faults(ctx: Context) -> dict:
         "resumed from the last checkpoint exactly"])
 
 
-def _tiny_fs(ctx: Context) -> Optional[str]:
-    """A 2 MiB tmpfs (root only), or None."""
-    path = os.path.join(ctx.swap_root, "tiny")
+def _tiny_fs(ctx: Context, name: str = "tiny", size: int = 2 << 20) -> Optional[str]:
+    """A tmpfs of ``size`` bytes (root only), or None."""
+    path = os.path.join(ctx.swap_root, name)
     os.makedirs(path, exist_ok=True)
     if os.geteuid() != 0:
         return None
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", path], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True)
     return path if r.returncode == 0 else None
+
+
+def _full_checkpoint_disk(ctx: Context, ref: Dict[int, float]) -> Dict[str, bool]:
+    """Checkpoints to a filesystem with room for one and a half of them: the
+    second save fails naming the path and the bytes, the run goes on with the
+    same losses, and the first checkpoint still resumes exactly."""
+    one = ctx.budgets()["state"] + (2 << 20)  # fp32 weights, both moments, the compute copies' share, the manifest
+    disk = _tiny_fs(ctx, "ckfull", int(1.5 * one))
+    if disk is None:
+        return {}
+    try:
+        res = ctx.run(ctx.job(ckpt=disk, ckpt_every=2))
+        errs = res.get("checkpoint_errors") or []
+        checks = {"checkpoint disk full: the save fails naming the path and the bytes": bool(errs) and
+                  disk in errs[0] and "bytes" in errs[0],
+                  "checkpoint disk full: the run goes on, same losses": res["error"] is None and res["losses"] == ref}
+        again = ctx.run(ctx.job(ckpt=disk, resume=True))
+        checks["checkpoint disk full: the checkpoint that fitted resumes exactly"] = again["error"] is None and \
+            bool(again["losses"]) and all(ref[k] == v for k, v in again["losses"].items())
+        return checks
+    finally:
+        subprocess.run(["umount", disk], capture_output=True)
 
 
 def process_faults(ctx: Context) -> dict:

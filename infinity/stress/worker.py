@@ -108,7 +108,10 @@ def run(job: dict) -> dict:
             print(f"LOSS {step} {res['losses'][step]!r}", flush=True)
             step += 1
             if job.get("ckpt") and job.get("ckpt_every") and step % job["ckpt_every"] == 0:
-                infinity.save_checkpoint(job["ckpt"], model, opt, extra={"next": step}, keep_last=2)
+                try:
+                    infinity.save_checkpoint(job["ckpt"], model, opt, extra={"next": step}, keep_last=2)
+                except infinity.CheckpointSpaceError as e:  # the partial one is removed; the run goes on
+                    res.setdefault("checkpoint_errors", []).append(str(e))
             if job.get("sample"):
                 _sample(res["samples"])
     except BaseException as e:  # noqa: BLE001 - the parent judges the error
