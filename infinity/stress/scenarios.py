@@ -280,18 +280,19 @@ def _full_checkpoint_disk(ctx: Context, ref: Dict[int, float]) -> Dict[str, bool
 
 
 def process_faults(ctx: Context) -> dict:
-    """SIGKILL and SIGTERM mid-step: the process ends; a new run on the same
+    """SIGKILL, SIGTERM and SIGINT mid-step: the process ends; a new run on the same
     swap folder starts (the dead run's lock and files reclaimed) and resumes
     exactly from the last checkpoint."""
     ref, checks = ctx.reference(), {}
     first = None
-    for sig in ("KILL", "TERM"):
+    for sig in ("KILL", "TERM", "INT"):
         ck = os.path.join(ctx.out, f"ck-{sig.lower()}")
         swap = os.path.join(ctx.swap_root, f"sig-{sig.lower()}")
         dead = ctx.run(ctx.job(swap=swap, ckpt=ck, ckpt_every=2, kill_at=3, signal=sig))
         first = first or dead
-        ended = dead["returncode"] == -9 if sig == "KILL" else (dead["returncode"] in (0, 143) and
-                                                               "Terminated" in (dead["error"] or ""))
+        said = {"KILL": None, "TERM": "Terminated", "INT": "KeyboardInterrupt"}[sig]
+        ended = dead["returncode"] == -9 if said is None else (dead["returncode"] in (0, 143) and
+                                                                said in (dead["error"] or ""))
         checks[f"SIG{sig} mid-step ended the run"] = ended
         again = ctx.run(ctx.job(swap=swap, ckpt=ck, resume=True))
         checks[f"after SIG{sig}: same swap folder, resumed exactly"] = again["error"] is None and \
