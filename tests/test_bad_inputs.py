@@ -182,3 +182,14 @@ def test_use_after_close_raises():
         o.step()
     with pytest.raises(ValueError, match="not managed by infinity: call infinity.initialize"):
         infinity.stats(m)
+
+
+def test_deepcopy_and_pickling_a_managed_model_name_the_way():
+    import copy
+    import io
+    m, o = infinity.initialize(net(), cfg())
+    for call in (lambda: copy.deepcopy(m), lambda: torch.save(m, io.BytesIO())):
+        with pytest.raises(UsageError, match="infinity.save_checkpoint.*infinity.close"):
+            call()
+    infinity.close(m)
+    copy.deepcopy(m)  # an ordinary model after close

@@ -29,7 +29,7 @@ import torch.nn as nn
 from .. import sysinfo
 from ..config import Config, format_bytes
 from .device_budget import DeviceBudget
-from .faults import FaultState
+from .faults import FaultState, UsageError
 from .grads import Gradients
 from .host_cache import HostCache
 from .mover import DeferredTicket, make_mover
@@ -339,6 +339,14 @@ class Engine:
         out = self.optstate.kept_bytes()
         out["grad"] = self.gradients.kept_bytes()
         return out
+
+    def __reduce_ex__(self, protocol):
+        # Reached through the model's hooks by copy.deepcopy(model) and torch.save(model).
+        raise UsageError(
+            "copy.deepcopy / pickling (torch.save(model)) of a model managed by infinity: its state lives in "
+            "infinity's tiers and swap files, which cannot be copied with it. Save it with "
+            "infinity.save_checkpoint (or torch.save(model.state_dict())), or call infinity.close(model) first: "
+            "the model is an ordinary one after that")
 
     # -- teardown --------------------------------------------------------------------------------
 
