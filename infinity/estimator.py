@@ -188,8 +188,12 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
     nvme = {"peak": host["nvme_bytes"] if modes.nvme_used else 0,
             "capacity": nvme_capacity(host_need(places, modes), len(units), len(config.swap_paths))
             if modes.nvme_used else 0}
-    act = activation_bytes(model, run, [m for u in units[1:] for m in u.modules]) if run is not None else \
-        {"saved": 0, "unit": 0, "checkpointing": 0, "saved_other": -1}
+    act = {"saved": 0, "unit": 0, "checkpointing": 0, "saved_other": -1}
+    if run is not None:
+        try:
+            act = activation_bytes(model, run, [m for u in units[1:] for m in u.modules])
+        except Exception as e:  # noqa: BLE001 - said in the result, not silently zero
+            act["error"] = f"the forward does not run on meta tensors ({type(e).__name__}: {e})"
     # Without checkpointing the backward frees each block's saved tensors as it
     # makes their gradients: the peak is about what was saved. With it, a
     # recomputed block's activations, their gradients and temporaries come on

@@ -58,3 +58,19 @@ def test_suggested_placement_follows_the_machine(tmp_path, monkeypatch, capsys):
     assert "offload_params='nvme'" in got, got
     monkeypatch.setattr(sysinfo, "available_ram", lambda: 1 << 20)
     assert "no placement fits" in suggest(model, config, forward, 1, False)
+
+
+def test_estimate_of_a_hugging_face_run_file_counts_activations(tmp_path, capsys):
+    """HF's mask building reads tensor values, which a meta forward cannot:
+    `infinity estimate` failed on every HF run file."""
+    import pytest
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg.save_pretrained(tmp_path / "llama")
+    p = run_file(tmp_path)
+    p.write_text(p.read_text().replace('size = "tiny"', 'path = "llama"'))
+    assert cli("estimate", p) == 0
+    out = capsys.readouterr().out
+    assert "activations saved for backward" in out and "NOT counted" not in out
+    assert "with activation checkpointing" in out

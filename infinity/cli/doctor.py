@@ -63,6 +63,12 @@ def load_run_for_estimate(config_path: str) -> tuple:
     with torch.device("meta"):
         model, loss, _ = build_model(run.model, run.config, d.seq_len, vocab, 0)
     x = torch.zeros(d.micro_batch, d.seq_len, dtype=torch.long, device="meta")
+    if run.model.path:
+        # Hugging Face's mask building reads values (.item()), which meta tensors have not: a ready 4-D
+        # mask of the same shape skips it and costs the forward the same memory.
+        mask = torch.zeros(d.micro_batch, 1, d.seq_len, d.seq_len, device="meta")
+        return run.config, model, (lambda m: m(input_ids=x, attention_mask=mask).logits.float().sum()), \
+            bool(run.model.lazy)
     return run.config, model, (lambda m: loss(m, x, x)), bool(run.model.lazy)
 
 

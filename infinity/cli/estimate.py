@@ -103,6 +103,9 @@ def render_peaks(peaks: dict) -> str:
         parts = ", ".join(f"{k} {format_bytes(p[k])}" for k in _PEAK_PARTS.get(tier, ()) if p.get(k))
         lines.append(f"{tier:7}{p['peak']:>16,}  {format_bytes(p['peak']):12}{parts}")
     a = peaks["activations"]
+    if a.get("error"):
+        lines.append(f"\nactivations NOT counted: {a['error']}; the device and rss peaks lack them")
+        return "\n".join(lines)
     lines.append(f"\nactivations saved for backward: {format_bytes(a['saved'])} (one block {format_bytes(a['unit'])}, "
                  f"activation checkpointing {'on' if a['checkpointing'] else 'off'}); rss is the process's peak "
                  "resident memory, device activations count beside the tier on CUDA")
