@@ -15,6 +15,7 @@ Usage: python scripts/bench_estimate.py [--steps 3] [--json out.json] [--only 0,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ CONFIGS = [BASE, dict(BASE, ckpt=True, batch=16), dict(BASE, place="nvme", host=
            dict(BASE, zero=3, world=2, place="nvme", host=60 << 20, batch=16)]
 # Larger models the constants were not fitted on (--extra).
 EXTRA = [dict(BASE, layers=8, embd=384, seq=256, dev=40 << 20, host=1 << 30),
+         dict(BASE, arch="llama", layers=4, embd=256, dev=24 << 20, host=512 << 20),
          dict(BASE, layers=6, embd=512, batch=16, ckpt=True, place="nvme", dev=56 << 20, host=200 << 20)]
 
 
@@ -44,11 +46,13 @@ def worker(c: dict, steps: int) -> None:
     sys.path.insert(0, str(ROOT))
     import infinity
     from infinity.estimator import estimate_peaks
-    from infinity.models import GPT, GPTConfig
+    from infinity.models import GPTConfig
     rank, world = int(os.environ.get("RANK", 0)), c["world"]
     if world > 1:
         dist.init_process_group("gloo", init_method="file://" + c["rdzv"], rank=rank, world_size=world)
     torch.set_num_threads(1)
+    if c.get("arch") == "llama":
+        from transformers import LlamaForCausalLM  # noqa: F401 - imported before the model, as in `infinity estimate`
     from infinity import sysinfo
     base = sysinfo.rss_bytes()
     gcfg = GPTConfig(vocab_size=256, block_size=c["seq"], n_layer=c["layers"], n_head=4, n_embd=c["embd"],
@@ -56,17 +60,20 @@ def worker(c: dict, steps: int) -> None:
     cfg = infinity.Config(device="cpu", dtype="fp32", offload_params=c["place"], offload_optimizer=c["place"],
                           device_memory=c["dev"], host_memory=c["host"], zero_stage=c["zero"], swap_paths=[c["swap"]],
                           unit_classes=["Block"])
+    build, step_loss, meta_loss = _arch(c, gcfg)
+    if c.get("arch") == "llama":
+        cfg = dataclasses.replace(cfg, unit_classes=["LlamaDecoderLayer"])
     with torch.device("meta"):
-        meta = GPT(gcfg)
+        meta = build()
     x = torch.zeros(c["batch"], c["seq"], dtype=torch.long, device="meta")
-    est = estimate_peaks(meta, cfg, lambda m: m(x, x), world=world, baseline_rss=base)
+    est = estimate_peaks(meta, cfg, lambda m: meta_loss(m, x), world=world, baseline_rss=base)
     del meta
     torch.manual_seed(0)
-    model, opt = infinity.initialize(GPT(gcfg), cfg, lr=1e-3)
+    model, opt = infinity.initialize(build(), cfg, lr=1e-3)
     g = torch.Generator().manual_seed(1 + rank)
     for _ in range(steps):
         xb = torch.randint(0, 256, (c["batch"], c["seq"]), generator=g)
-        model(xb, xb).backward()
+        step_loss(model, xb).backward()
         opt.step()
         opt.zero_grad()
     peaks = dict(infinity.stats(model)["peak_bytes"], rss=sysinfo.rss_bytes(peak=True))
@@ -76,6 +83,24 @@ def worker(c: dict, steps: int) -> None:
     infinity.close(model, keep_values=False)
     if world > 1:
         dist.destroy_process_group()
+
+
+def _arch(c: dict, gcfg):
+    """(build, training loss, meta loss) of the built-in GPT or a Hugging Face Llama of the same size."""
+    if c.get("arch") != "llama":
+        from infinity.models import GPT
+        return (lambda: GPT(gcfg)), (lambda m, x: m(x, x)), (lambda m, x: m(x, x))
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    lc = LlamaConfig(vocab_size=256, hidden_size=c["embd"], intermediate_size=4 * c["embd"],
+                     num_hidden_layers=c["layers"], num_attention_heads=4, num_key_value_heads=4,
+                     max_position_embeddings=c["seq"])
+
+    def meta_loss(m, x):  # what `infinity estimate` runs for a Hugging Face model (see cli/doctor.py)
+        mask = torch.zeros(x.shape[0], 1, x.shape[1], x.shape[1], device="meta")
+        return m(input_ids=x, attention_mask=mask).logits.float().sum()
+
+    return (lambda: LlamaForCausalLM(lc)), (lambda m, x: m(input_ids=x, labels=x).loss), meta_loss
 
 
 def measure(c: dict, steps: int) -> dict:
@@ -98,7 +123,7 @@ def measure(c: dict, steps: int) -> dict:
 
 
 def describe(c: dict) -> str:
-    return (f"{c['place']:4} zero{c['zero']} x{c['world']} {'ckpt' if c['ckpt'] else 'full'} "
+    return (f"{c.get('arch', 'gpt'):5} {c['place']:4} zero{c['zero']} x{c['world']} {'ckpt' if c['ckpt'] else 'full'} "
             f"batch {c['batch']:2}")
 
 
