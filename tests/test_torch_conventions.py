@@ -9,20 +9,11 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from paging_zoo import Chain, base_config
+from paging_zoo import base_config
+from test_torch_state_dict import data, model  # one model and data for both files
 
 import infinity
 from infinity.engine.faults import UsageError
-
-
-def model():
-    torch.manual_seed(0)
-    return Chain([32, 16, 64, 8])
-
-
-def data(n, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(n)]
 
 
 def managed(tmp_path, params="host", opt="host", **kw):
