@@ -38,24 +38,22 @@ import torch.nn as nn
 
 from . import sysinfo
 from .config import Config
-from .engine.placement import Modes, device_need, host_need, nbytes, nvme_capacity, place_unit
+from .engine.placement import Modes, device_need, host_need, modes_of, nbytes, nvme_capacity, place_unit
 from .engine.units import build_units
 
-__all__ = ["estimate_peaks", "activation_bytes", "RUNTIME_BYTES"]
+__all__ = ["estimate_peaks", "activation_bytes", "placed", "RUNTIME_BYTES"]
 
 RUNTIME_BYTES = 48 << 20    # measured: RSS a step adds beyond the parts counted here (docs/cli.md)
 RECOMPUTE_UNITS = 3         # blocks' worth of activations a checkpointed block's backward holds (measured)
 STAGING_PER_PATH = 2        # NVMe staging buffers of swap_block_size per swap path (NvmeTier)
 
 
-def _modes(config: Config, world: int) -> Modes:
-    dtype = config.torch_dtype
-    grad_dtype = (dtype if config.offload_optimizer != "none" and world == 1 and config.zero_stage == 0
-                  and config.grad_accumulation_steps == 1 else torch.float32)
-    dev = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
-    return Modes(dev, dtype, grad_dtype, config.offload_params, config.offload_optimizer, config.zero_stage,
-                 world, config.overlap == "delayed", config.prefetch_depth, config.grad_accumulation_steps,
-                 config.prefetch_bytes)
+def placed(model: nn.Module, config: Config, world: int = 1):
+    """``(units, modes, places)``: ``model`` split into paging units and placed
+    as ``initialize`` would on each of ``world`` ranks (no memory touched)."""
+    modes = modes_of(config, world, torch.device("cuda" if config.device.startswith("cuda") else "cpu"))
+    units = build_units(model, config.unit_classes, {}, world if config.zero_stage else 1)
+    return units, modes, [place_unit(u.layout, modes) for u in units]
 
 
 def activation_bytes(model: nn.Module, run: Callable[[nn.Module], torch.Tensor],
@@ -179,9 +177,7 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
     model is built under ``infinity.init`` (its fp32 tensors never exist at
     once). ``baseline_rss``: the process's RSS before the model is built
     (default: this process's now)."""
-    modes = _modes(config, world)
-    units = build_units(model, config.unit_classes, {}, world if config.zero_stage else 1)
-    places = [place_unit(u.layout, modes) for u in units]
+    units, modes, places = placed(model, config, world)
     largest_grad = max((nbytes(p.numel(), modes.dtype) for p in model.parameters() if p.requires_grad), default=0)
     dev = _device_peak(places, modes, config.device_memory, largest_grad)
     host = _host_peak(places, modes, config)

@@ -117,15 +117,7 @@ class DirectStream:
 
     def abort(self) -> None:
         """Stops and releases everything (the caller removes the partial file)."""
-        if self._fd < 0:
-            return
-        try:
-            self._pool.shutdown(wait=True)
-        finally:
-            os.close(self._fd)
-            self._fd = -1
-            self._bufs = []
-            _close_maps(self._maps)
+        _release(self)
 
 
 class DirectReader:
@@ -192,12 +184,18 @@ class DirectReader:
         return done
 
     def close(self) -> None:
-        if self._fd < 0:
-            return
-        try:
-            self._pool.shutdown(wait=True)
-        finally:
-            os.close(self._fd)
-            self._fd = -1
-            self._bufs = []
-            _close_maps(self._maps)
+        _release(self)
+
+
+def _release(io) -> None:
+    """A DirectStream's or DirectReader's teardown: its read or write thread
+    joined, its fd closed, its staging mappings unmapped (idempotent)."""
+    if io._fd < 0:
+        return
+    try:
+        io._pool.shutdown(wait=True)
+    finally:
+        os.close(io._fd)
+        io._fd = -1
+        io._bufs = []
+        _close_maps(io._maps)

@@ -17,8 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..config import Config, format_bytes
-from ..engine.placement import Modes, device_need, host_need, nvme_capacity, place_unit
-from ..engine.units import build_units
+from ..engine.placement import device_need, host_need, nvme_capacity
 from .common import UsageError
 
 
@@ -39,16 +38,8 @@ def estimate(model: torch.nn.Module, config: Config, world: int = 1) -> Dict[str
     entry also has ``budget`` (the Config's, None when it is derived at start)."""
     if world < 1:
         raise UsageError(f"--world={world}: must be >= 1")
-    shards = world if config.zero_stage else 1
-    units = build_units(model, config.unit_classes, {}, shards)
-    dtype = config.torch_dtype
-    grad_dtype = (dtype if config.offload_optimizer != "none" and world == 1 and config.zero_stage == 0
-                  and config.grad_accumulation_steps == 1 else torch.float32)
-    dev = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
-    modes = Modes(dev, dtype, grad_dtype, config.offload_params, config.offload_optimizer, config.zero_stage,
-                  world, config.overlap == "delayed", config.prefetch_depth, config.grad_accumulation_steps,
-                  config.prefetch_bytes)
-    places = [place_unit(u.layout, modes) for u in units]
+    from ..estimator import placed
+    units, modes, places = placed(model, config, world)
     d = device_need(places, [False] * len(places), modes)
     h = host_need(places, modes)
     nv = nvme_capacity(h, len(units), len(config.swap_paths)) if modes.nvme_used else 0

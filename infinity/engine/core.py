@@ -35,7 +35,7 @@ from .host_cache import HostCache
 from .mover import DeferredTicket, make_mover
 from .nvme import NvmeTier
 from .optstate import OptimizerState
-from .placement import Modes, device_need, host_need, nvme_capacity, place_unit
+from .placement import device_need, host_need, modes_of, nvme_capacity, place_unit
 from .pressure import PressureMonitor
 from .residency import Residency
 from .saved import SavedTensorRouter
@@ -66,7 +66,7 @@ class Engine:
             desc.update({f"param {n}": (tuple(p.shape), p.requires_grad)
                          for n, p in model.named_parameters(remove_duplicate=False)})
             self.sharding.check_same(desc)
-        self.modes = self._modes(config)
+        self.modes = modes_of(config, self.sharding.world, self.device)
         self.units = build_units(model, config.unit_classes, group_of, self.sharding.shards)
         for u in self.units:
             u.place = place_unit(u.layout, self.modes)
@@ -80,21 +80,6 @@ class Engine:
         self._pass_pins: list = []
         self._in_pass = self.pass_grad = self._relayout = self._closed = False
         self.stats.end_step_window()  # the first step's counters start after initialisation
-
-    def _modes(self, config: Config) -> Modes:
-        world, dtype = self.sharding.world, config.torch_dtype
-        # [Note: gradients in the compute dtype] Without accumulation over
-        # micro-batches or ranks, a unit's host gradients stay in the compute
-        # dtype: the upcast to fp32 is exact, so the native AdamW reading bf16
-        # gives the same update, while the gradients cross to the host (and to
-        # NVMe) at half the bytes, with no upcast pass on the way. Two
-        # backward() calls per step with grad_accumulation_steps=1 then sum
-        # in the compute dtype, as torch does for a model in that dtype.
-        grad_dtype = (dtype if config.offload_optimizer != "none" and world == 1 and config.zero_stage == 0
-                      and config.grad_accumulation_steps == 1 else torch.float32)
-        return Modes(self.device, dtype, grad_dtype, config.offload_params, config.offload_optimizer,
-                     config.zero_stage, world, config.overlap == "delayed", config.prefetch_depth,
-                     config.grad_accumulation_steps, config.prefetch_bytes)
 
     def _make_parts(self) -> None:
         """The tiers under their budgets, and the owners that work on them."""

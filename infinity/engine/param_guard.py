@@ -37,7 +37,6 @@ import torch
 import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 
-from ..config import format_bytes
 from .faults import UsageError
 
 __all__ = ["ManagedParameter", "ValueCopy", "ParamGuard"]
@@ -110,20 +109,23 @@ class ManagedParameter(nn.Parameter):
             return guard.write(func, args, kwargs)
         return guard.read(func, args, kwargs)
 
+    def _ordinary(self) -> Optional[nn.Parameter]:
+        """An ordinary Parameter holding the true values (None: not managed)."""
+        p = _target(self)
+        if p is None:
+            return None
+        value = p._infinity_guard.value(p).as_subclass(torch.Tensor).clone()
+        return nn.Parameter(value, requires_grad=p.requires_grad)
+
     def __reduce_ex__(self, proto):
         # torch.save(p) / pickle: the true values, as an ordinary Parameter.
-        p = _target(self)
-        if p is None:
-            return super().__reduce_ex__(proto)
-        value = p._infinity_guard.value(p).as_subclass(torch.Tensor).clone()
-        return nn.Parameter(value, requires_grad=p.requires_grad).__reduce_ex__(proto)
+        out = self._ordinary()
+        return super().__reduce_ex__(proto) if out is None else out.__reduce_ex__(proto)
 
     def __deepcopy__(self, memo):
-        p = _target(self)
-        if p is None:
+        out = self._ordinary()
+        if out is None:
             return super().__deepcopy__(memo)
-        value = p._infinity_guard.value(p).as_subclass(torch.Tensor).clone()
-        out = nn.Parameter(value, requires_grad=p.requires_grad)
         memo[id(self)] = out
         return out
 
@@ -398,13 +400,3 @@ class ParamGuard:
         for u in self.eng.units:
             if batch and u.index in batch:
                 self._store(u, batch[u.index])
-
-
-def check_fits_in_ram(eng, what: str, need: int, room: int, fraction: float) -> None:
-    """Raises UsageError when ``need`` bytes exceed ``fraction`` of ``room`` (the RAM this process may use)."""
-    if need > fraction * room:
-        raise UsageError(
-            f"{what}: the parameters take {need} bytes ({format_bytes(need)}), more than "
-            f"{int(fraction * 100)}% of the RAM this process may still use ({format_bytes(room)}). Stream them "
-            "instead: infinity.export_pretrained(model, out_dir) (Hugging Face layout) or "
-            "infinity.save_checkpoint(path, model, optimizer)")

@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence
 import torch
 
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need",
-           "nvme_capacity", "nbytes", "round_pool", "POOL_ALIGN", "RANGE_ALIGN", "PIPELINE_BUFFERS",
+           "nvme_capacity", "modes_of", "nbytes", "round_pool", "POOL_ALIGN", "RANGE_ALIGN", "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
 
 POOL_ALIGN = 4096          # bytes; host buffers start on pages (O_DIRECT, pinning)
@@ -98,6 +98,24 @@ class Modes:
         the host), or the optimizer's copy-out target (params on the device,
         optimizer on the host)."""
         return self.params == "host" or (self.params_on_device and self.host_optimizer)
+
+
+def modes_of(config, world: int, device: torch.device) -> Modes:
+    """The :class:`Modes` of an ``infinity.Config`` on ``world`` ranks, computing on ``device``.
+
+    [Note: gradients in the compute dtype] Without accumulation over
+    micro-batches or ranks, a unit's host gradients stay in the compute
+    dtype: the upcast to fp32 is exact, so the native AdamW reading bf16
+    gives the same update, while the gradients cross to the host (and to
+    NVMe) at half the bytes, with no upcast pass on the way. Two backward()
+    calls per step with grad_accumulation_steps=1 then sum in the compute
+    dtype, as torch does for a model in that dtype."""
+    dtype = config.torch_dtype
+    grad_dtype = (dtype if config.offload_optimizer != "none" and world == 1 and config.zero_stage == 0
+                  and config.grad_accumulation_steps == 1 else torch.float32)
+    return Modes(device, dtype, grad_dtype, config.offload_params, config.offload_optimizer, config.zero_stage,
+                 world, config.overlap == "delayed", config.prefetch_depth, config.grad_accumulation_steps,
+                 config.prefetch_bytes)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ import torch.nn as nn
 
 from .. import sysinfo
 from .faults import UsageError
-from .param_guard import ParamGuard, ValueCopy, check_fits_in_ram
+from ..config import format_bytes
+from .param_guard import ParamGuard, ValueCopy
 
 __all__ = ["install_state_dict_hooks", "install_model_methods", "remove_model_methods"]
 
@@ -69,9 +70,16 @@ def _replace(module: nn.Module, sd: dict, prefix: str, eng, guard: ParamGuard) -
 
 
 def _check_room(eng, keep_vars: bool) -> None:
-    if not keep_vars:
-        check_fits_in_ram(eng, "model.state_dict()", sum(u.place.compute_bytes for u in eng.units),
-                          sysinfo.available_ram(), RAM_FRACTION)
+    """Raises UsageError when the parameters would take more than RAM_FRACTION of the RAM left."""
+    if keep_vars:
+        return
+    need, room = sum(u.place.compute_bytes for u in eng.units), sysinfo.available_ram()
+    if need > RAM_FRACTION * room:
+        raise UsageError(
+            f"model.state_dict(): the parameters take {need} bytes ({format_bytes(need)}), more than "
+            f"{int(RAM_FRACTION * 100)}% of the RAM this process may still use ({format_bytes(room)}). Stream them "
+            "instead: infinity.export_pretrained(model, out_dir) (Hugging Face layout) or "
+            "infinity.save_checkpoint(path, model, optimizer)")
 
 
 def _refuse_assign(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
