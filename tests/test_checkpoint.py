@@ -267,3 +267,20 @@ def test_strict_false_loads_the_common_names_and_says_which_it_skipped(tmp_path)
     for k, v in got.items():
         assert torch.equal(v, want[k] if k in want else before[k]), k
     infinity.close(m2)
+
+
+def test_direct_reader_reads_backwards_too(tmp_path):
+    """A load reads a unit's slots in their order, which may lie before the
+    previous read in the file: a jump back of more than DEPTH blocks raised KeyError."""
+    from infinity.checkpoint.direct_stream import BLOCK, DirectReader
+    data = torch.randint(0, 255, (20 * BLOCK // 4,), dtype=torch.int32)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.numpy().tobytes())
+    r = DirectReader(str(path))
+    try:
+        for at in (10 * BLOCK, 0, 15 * BLOCK + 5, 3 * BLOCK + 7, 19 * BLOCK):
+            out = torch.empty(BLOCK + 100, dtype=torch.uint8)
+            n = r.read_into(at, out)
+            assert torch.equal(out[:n], data.view(torch.uint8)[at:at + n]), at
+    finally:
+        r.close()

@@ -151,7 +151,8 @@ class DirectReader:
             view.release()
 
     def _schedule(self, first: int) -> None:
-        for b in [b for b in self._blocks if b < first]:
+        """Blocks ``first .. first + DEPTH`` read or being read; every other buffer recycled."""
+        for b in [b for b in self._blocks if not first <= b <= first + DEPTH]:
             i, f = self._blocks.pop(b)
             f.result()
             self._free.append(i)
@@ -170,9 +171,6 @@ class DirectReader:
         while done < n and offset + done < self.size:
             b = (offset + done) // BLOCK
             self._schedule(b)
-            if b not in self._blocks:  # no free buffer: an earlier block is still held
-                self._schedule(b + DEPTH + 1)
-                self._schedule(b)
             i, f = self._blocks[b]
             got = f.result()
             within = offset + done - b * BLOCK
