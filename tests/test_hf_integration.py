@@ -4,6 +4,7 @@ give what they give without infinity. On 5147b56: save_pretrained raised
 on shared tensors, PEFT saved NaN adapters, Trainer logged grad_norm 0 and
 clipped nothing, and a lazy build had embeddings of std 1.0."""
 
+import dataclasses
 import os
 
 import pytest
@@ -155,6 +156,21 @@ def test_trainer_matches_the_plain_trainer_and_resumes_exactly(tmp_path, name):
 def test_trainer_refuses_its_own_mixed_precision(tmp_path):
     with pytest.raises(infinity.engine.faults.UsageError, match="Config\\(dtype"):
         InfinityTrainer(model=llama(), args=training_args(tmp_path, bf16=True), train_dataset=dataset())
+
+
+def test_trainer_and_config_disagreeing_on_clipping_or_accumulation_raise(tmp_path):
+    """One of the two silently winning would train with a norm or window the user did not ask for."""
+    base = config("LlamaDecoderLayer", tmp_path)
+    with pytest.raises(infinity.engine.faults.UsageError, match="max_grad_norm=2.0 but TrainingArguments"):
+        InfinityTrainer(model=llama(), args=training_args(tmp_path / "a"), train_dataset=dataset(),
+                        infinity_config=dataclasses.replace(base, max_grad_norm=2.0))
+    with pytest.raises(infinity.engine.faults.UsageError, match="gradient_accumulation_steps=2"):
+        InfinityTrainer(model=llama(), args=training_args(tmp_path / "b", gradient_accumulation_steps=2),
+                        train_dataset=dataset(), infinity_config=dataclasses.replace(base, grad_accumulation_steps=3))
+    tr = InfinityTrainer(model=llama(), args=training_args(tmp_path / "c", gradient_accumulation_steps=2),
+                         train_dataset=dataset(), infinity_config=base)
+    assert tr.infinity_engine.config.grad_accumulation_steps == 2 and tr.infinity_engine.config.max_grad_norm == 0.5
+    infinity.close(tr.model)
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-tied", "gpt2"])

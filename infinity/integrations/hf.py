@@ -9,7 +9,9 @@ Trainer's loop are the ones infinity needs:
   none on biases and norms, as the Trainer does) and any LR scheduler the
   Trainer builds;
 - clipping is ``Config.max_grad_norm`` (from ``args.max_grad_norm`` when the
-  config leaves it unset), over all units before any update; the logged
+  config leaves it unset; two different values raise), over all units
+  before any update, and ``Config.grad_accumulation_steps`` is the Trainer's
+  ``gradient_accumulation_steps``; the logged
   ``grad_norm`` is the norm infinity measured (``optimizer.last_grad_norm``),
   not torch's ``clip_grad_norm_`` over ``p.grad`` (None on managed parameters);
 - checkpoints keep the Trainer's folder layout; the optimizer, scheduler and
@@ -55,9 +57,7 @@ class InfinityTrainer(Trainer):
         if "optimizers" in kwargs or "optimizer_cls_and_kwargs" in kwargs:
             raise UsageError("InfinityTrainer: the optimizer is infinity's AdamW; set its hyper-parameters in "
                              "TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, weight_decay)")
-        cfg = infinity_config if infinity_config is not None else Config()
-        if cfg.max_grad_norm is None and args.max_grad_norm and args.max_grad_norm > 0:
-            cfg = dataclasses.replace(cfg, max_grad_norm=float(args.max_grad_norm))
+        cfg = _with_trainer_args(infinity_config if infinity_config is not None else Config(), args)
         model, optimizer = initialize(model, cfg, param_groups=_decay_groups(model, args.weight_decay),
                                       lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                       eps=args.adam_epsilon, weight_decay=args.weight_decay)
@@ -103,6 +103,24 @@ class InfinityTrainer(Trainer):
     def infinity_engine(self):
         """The engine managing the model (``infinity.stats(trainer.model)`` reads its counters)."""
         return engine_of(self.model)
+
+
+def _with_trainer_args(cfg: Config, args) -> Config:
+    """``cfg`` with the Trainer's clipping and accumulation where it leaves them
+    at their defaults; a conflict between the two raises instead of one
+    silently winning."""
+    clip = float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else None
+    if cfg.max_grad_norm is not None and clip is not None and cfg.max_grad_norm != clip:
+        raise UsageError(f"InfinityTrainer: Config.max_grad_norm={cfg.max_grad_norm} but "
+                         f"TrainingArguments.max_grad_norm={args.max_grad_norm}; set one of them (the other to "
+                         "None / 0)")
+    accum = int(args.gradient_accumulation_steps)
+    if cfg.grad_accumulation_steps not in (1, accum):
+        raise UsageError(f"InfinityTrainer: Config.grad_accumulation_steps={cfg.grad_accumulation_steps} but "
+                         f"TrainingArguments.gradient_accumulation_steps={accum}: the Trainer steps every {accum} "
+                         "micro-batches; leave the Config's at 1 or make them equal")
+    return dataclasses.replace(cfg, max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm is not None else clip,
+                               grad_accumulation_steps=accum)
 
 
 def _decay_groups(model, weight_decay: float) -> list:
