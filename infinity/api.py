@@ -302,7 +302,6 @@ def close(model: nn.Module, *, keep_values: bool = True) -> None:
             else:  # a CPU parameter cannot take meta data in place: swap the whole tensor
                 torch.utils.swap_tensors(s.param, nn.Parameter(torch.empty(s.shape, device="meta"),
                                                                requires_grad=s.param.requires_grad))
-    eng.optimizer.closed = True
     eng.close()
 
 

@@ -131,6 +131,7 @@ class UnitReader:
         self._key: Optional[tuple] = None
         self._buf: Optional[torch.Tensor] = None
         self._order: List[tuple] = []
+        self._next: dict = {}  # key -> the key asked for after it
         self._units: Dict[tuple, object] = {}
         self._ahead: Optional[tuple] = None  # (key, future)
         self._pool = None
@@ -144,6 +145,9 @@ class UnitReader:
                 self._units[key] = src.u
                 if not self._order or self._order[-1] != key:
                     self._order.append(key)
+        self._next = {}
+        for k, nxt in zip(self._order, self._order[1:]):
+            self._next.setdefault(k, nxt)  # the key's first appearance, as a scan would find
 
     def slice(self, u, kind: str, s) -> torch.Tensor:
         key = (u.index, kind)
@@ -171,11 +175,9 @@ class UnitReader:
         return self._pool.submit(self.eng.read, self._units[key], key[1])
 
     def _read_next(self, key: tuple) -> None:
-        try:
-            nxt = self._order[self._order.index(key) + 1]
-        except (ValueError, IndexError):
-            return
-        self._ahead = (nxt, self._submit(nxt))
+        nxt = self._next.get(key)
+        if nxt is not None:
+            self._ahead = (nxt, self._submit(nxt))
 
     def done(self) -> None:
         """Drops the buffers; waits for a read still in flight (every rank issued it)."""

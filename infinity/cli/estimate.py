@@ -116,8 +116,9 @@ def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: b
 
     from .. import sysinfo
     from ..estimator import estimate_peaks
+    from .doctor_checks import nearest_existing
     ram = int(0.8 * sysinfo.available_ram())
-    disk = sum(shutil.disk_usage(_existing(p)).free for p in config.swap_paths)
+    disk = sum(shutil.disk_usage(nearest_existing(p)).free for p in config.swap_paths)
     gpu = None
     if config.device.startswith("cuda") and torch.cuda.is_available():
         gpu = torch.cuda.mem_get_info()[0]
@@ -139,15 +140,6 @@ def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: b
     return (f"no placement fits this machine: even with NVMe homes the run needs more than {format_bytes(ram)} "
             f"of RAM or {format_bytes(disk)} of free disk on {config.swap_paths}; lower the micro-batch, turn on "
             "activation checkpointing, or add swap paths")
-
-
-def _existing(path: str) -> str:
-    """``path`` or its nearest existing ancestor (for the free space of a swap path not made yet)."""
-    import os
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

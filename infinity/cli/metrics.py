@@ -14,12 +14,9 @@ TIERS = ("device", "host", "nvme")
 
 
 def _rss() -> Optional[int]:
-    """This process's resident bytes (psutil), None without psutil."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return psutil.Process().memory_info().rss
+    """This process's resident bytes."""
+    from ..sysinfo import rss_bytes
+    return rss_bytes()
 
 
 class Metrics:

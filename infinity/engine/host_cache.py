@@ -120,9 +120,7 @@ class HostCache:
         with self.lock:
             if compute and self.cap_bytes is not None:
                 # Under memory pressure the compute-copy cache keeps below its cap (see pressure.py).
-                need = round_pool(nbytes(numel, dtype))
-                while self.tier.used_bytes + need > self.cap_bytes and self.evict_one(protect):
-                    pass
+                self.evict_to(self.cap_bytes - round_pool(nbytes(numel, dtype)), protect)
             while True:
                 try:
                     return self.tier.acquire(numel, dtype, zero, high=compute)
@@ -217,6 +215,18 @@ class HostCache:
             h.state = transition(v.name, "host", h.state, CacheState.NONE)
             h.compute = h.buf = h.busy = None
             return freed
+
+    def evict_to(self, used_bytes: int, protect=None) -> int:
+        """Evicts cached compute copies until the pool uses at most ``used_bytes``
+        (or nothing is left to evict); returns the bytes freed."""
+        freed = 0
+        with self.lock:
+            while self.tier.used_bytes > used_bytes:
+                got = self.evict_one(protect)
+                if not got:
+                    break
+                freed += got
+        return freed
 
     def _settle_write_back(self, u) -> None:
         """Waits for a write-back of ``u``'s evicted copy still in flight, so a

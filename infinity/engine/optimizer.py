@@ -47,7 +47,6 @@ class InfinityOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine, param_groups: List[dict], defaults: dict):
         self.engine = engine
-        self.closed = False  # infinity.close(model) was called
         self._built = False
         super().__init__(param_groups, defaults)
         self._built = True
@@ -78,6 +77,11 @@ class InfinityOptimizer(torch.optim.Optimizer):
         raise UsageError("optimizer.add_param_group after infinity.initialize: each parameter's optimizer "
                          "state is placed at initialize. Pass every group to initialize(model, cfg, "
                          "param_groups=[...]); a group's lr and other hyper-parameters may change at any time")
+
+    @property
+    def closed(self) -> bool:
+        """True after ``infinity.close(model)``."""
+        return self.engine.closed
 
     def _check_open(self, what: str) -> None:
         if self.closed:

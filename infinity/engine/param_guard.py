@@ -270,8 +270,10 @@ class ParamGuard:
         u, i = self.eng.param_slot[id(p)]
         return u.layout.slots[i].name
 
-    def value(self, p: nn.Parameter) -> torch.Tensor:
-        """``p``'s true values (compute dtype, on ``p``'s device) as a new tensor."""
+    def value(self, p: nn.Parameter, device=None) -> torch.Tensor:
+        """``p``'s true values (compute dtype) as a new tensor on ``device``
+        (default ``p``'s own; the CPU within ``state_dict()``, whose entries
+        are CPU tensors: no round trip through the GPU)."""
         eng = self.eng
         self._check_readable(p)
         u, i = eng.param_slot[id(p)]
@@ -282,7 +284,9 @@ class ParamGuard:
             with eng.faults.guard("reading a parameter outside forward"):
                 self._buf = eng.read(u, "compute")
             self._key = key
-        out = self._buf[s.offset:s.offset + s.numel].view(s.shape).to(p.device, copy=True)
+        if device is None:
+            device = "cpu" if self.collective else p.device
+        out = self._buf[s.offset:s.offset + s.numel].view(s.shape).to(device, copy=True)
         out.__dict__["_infinity_of_value"] = p
         out.__dict__["_infinity_version"] = eng.values_version
         return out
@@ -370,7 +374,9 @@ class ParamGuard:
                 "shards of it, so every rank must write it alike. Use model.load_state_dict(sd) on every rank")
         eng.optimizer.flush()  # delayed mode: the queued update lands first, not over this write
         whole = getattr(func, "__name__", "") == "copy_" and tuple(args[1].shape) == tuple(s.shape)
-        cur = torch.empty(s.shape, dtype=torch.float32, device=p.device) if whole else self._fp32(p, u, s)
+        # A whole copy lands on the CPU, where the tiers are written from: a
+        # batch of them (load_state_dict) holds no device memory.
+        cur = torch.empty(s.shape, dtype=torch.float32) if whole else self._fp32(p, u, s)
         new = (cur,) + tuple(_map(a, lambda t: self.value(_target(t)) if _target(t) is not None else t)
                              for a in args[1:])
         _plain(func, new, kwargs)

@@ -25,7 +25,7 @@ pool's mechanisms.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 from .. import sysinfo
 from ..config import format_bytes
@@ -91,7 +91,7 @@ class PressureMonitor:
             cap = max(self._floor, used // 2)
             if cap < used:
                 cache.cap_bytes = cap
-                evicted = self._evict_to(cap)
+                evicted = cache.evict_to(cap)
                 released = cache.tier.release_free_pages()
                 self._event("cap host cache", avail, cap=cap, evicted=evicted, released=released)
                 gave = True
@@ -104,16 +104,6 @@ class PressureMonitor:
         if gave:
             self.level += 1
         return gave
-
-    def _evict_to(self, cap: int) -> int:
-        cache, freed = self.eng.cache, 0
-        with cache.lock:
-            while cache.tier.used_bytes > cap:
-                got = cache.evict_one(None)
-                if not got:
-                    break
-                freed += got
-        return freed
 
     def _grow_back(self, avail: int) -> None:
         eng = self.eng
@@ -135,7 +125,3 @@ class PressureMonitor:
             f"(host pool in use {format_bytes(eng.cache.tier.used_bytes)}, of which the placement needs "
             f"{format_bytes(self._floor)}). The training state is whole: save a checkpoint now "
             "(infinity.save_checkpoint) and restart with less host_memory, offload to 'nvme', or free RAM")
-
-    @property
-    def cap(self) -> Optional[int]:
-        return self.eng.cache.cap_bytes

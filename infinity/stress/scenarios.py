@@ -29,6 +29,7 @@ class Context:
         self.base = dict(layers=6, embd=192, seq=64, batch=4, place="nvme", depth=2)
         self.steps = 6
         self._ref: Optional[Dict[int, float]] = None
+        self._mins: Dict[tuple, Dict[str, int]] = {}  # budgets() by its job changes
         self._n = 0
 
     def job(self, **kw) -> dict:
@@ -67,6 +68,12 @@ class Context:
 
     def budgets(self, **kw) -> Dict[str, int]:
         """The model's minimum device and host budgets under the stress placement (bytes; ``kw``: job changes)."""
+        key = tuple(sorted(kw.items()))
+        if key not in self._mins:
+            self._mins[key] = self._estimate(**kw)
+        return self._mins[key]
+
+    def _estimate(self, **kw) -> Dict[str, int]:
         import torch
 
         from ..estimator import estimate_peaks
