@@ -41,17 +41,25 @@ from .config import Config
 from .engine.placement import Modes, device_need, host_need, modes_of, nbytes, nvme_capacity, place_unit
 from .engine.units import build_units
 
-__all__ = ["estimate_peaks", "activation_bytes", "placed", "RUNTIME_BYTES"]
+__all__ = ["estimate_peaks", "activation_bytes", "placed", "compute_device", "RUNTIME_BYTES"]
 
 RUNTIME_BYTES = 48 << 20    # measured: RSS a step adds beyond the parts counted here (docs/cli.md)
 RECOMPUTE_UNITS = 3         # blocks' worth of activations a checkpointed block's backward holds (measured)
 STAGING_PER_PATH = 2        # NVMe staging buffers of swap_block_size per swap path (NvmeTier)
 
 
+def compute_device(config: Config) -> torch.device:
+    """Where the run computes: ``Config.device``, with ``"auto"`` as the run
+    would resolve it here; a ``cuda`` config is estimated as CUDA even on a
+    machine without it (planning a GPU run)."""
+    gpu = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if gpu else "cpu")
+
+
 def placed(model: nn.Module, config: Config, world: int = 1):
     """``(units, modes, places)``: ``model`` split into paging units and placed
     as ``initialize`` would on each of ``world`` ranks (no memory touched)."""
-    modes = modes_of(config, world, torch.device("cuda" if config.device.startswith("cuda") else "cpu"))
+    modes = modes_of(config, world, compute_device(config))
     units = build_units(model, config.unit_classes, {}, world if config.zero_stage else 1)
     return units, modes, [place_unit(u.layout, modes) for u in units]
 

@@ -120,7 +120,8 @@ def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: b
     ram = int(0.8 * sysinfo.available_ram())
     disk = sum(shutil.disk_usage(nearest_existing(p)).free for p in config.swap_paths)
     gpu = None
-    if config.device.startswith("cuda") and torch.cuda.is_available():
+    from ..estimator import compute_device
+    if compute_device(config).type == "cuda" and torch.cuda.is_available():
         gpu = torch.cuda.mem_get_info()[0]
     for place in ("none", "host", "nvme"):
         cfg = dataclasses.replace(config, offload_params=place, offload_optimizer="host" if place == "none" else place,
