@@ -309,7 +309,8 @@ def process_faults(ctx: Context) -> dict:
 
 def soak(ctx: Context) -> dict:
     """Training for a while with deep prefetch: RSS, file descriptors and
-    threads flat after warm-up (RSS slope <= 1 MiB/min)."""
+    threads flat after warm-up (RSS slope <= 1 MiB/min; the 20 s ``--quick``
+    soak bounds the growth after warm-up to 4 MiB instead)."""
     seconds = 20 if ctx.quick else 60 * ctx.minutes
     mins = ctx.budgets(depth=4)
     res = ctx.run(ctx.job(end=0, seconds=seconds, depth=4, sample=True, device_memory=2 * mins["device"],
@@ -317,10 +318,16 @@ def soak(ctx: Context) -> dict:
     s = res.get("samples") or []
     warm = s[len(s) // 5:] if len(s) >= 10 else s
     slope = _slope([x["t"] for x in warm], [x["rss"] for x in warm]) * 60 if len(warm) >= 2 else float("inf")
-    checks = {"ran": res["error"] is None and bool(s),
-              "RSS slope <= 1 MiB/min": slope <= (1 << 20),
+    checks = {"ran": res["error"] is None and bool(s)}
+    if ctx.quick:
+        # 20 s cannot resolve a 1 MiB/min slope (allocator steps of a few hundred KiB would
+        # extrapolate past it): the short soak bounds the growth after warm-up instead.
+        checks["RSS growth after warm-up <= 4 MiB"] = bool(warm) and warm[-1]["rss"] - warm[0]["rss"] <= 4 << 20
+    else:
+        checks["RSS slope <= 1 MiB/min"] = slope <= (1 << 20)
+    checks.update({
               "no fd growth": bool(warm) and warm[-1]["fds"] <= warm[0]["fds"],
-              "no thread growth": bool(warm) and warm[-1]["threads"] <= warm[0]["threads"]}
+              "no thread growth": bool(warm) and warm[-1]["threads"] <= warm[0]["threads"]})
     return _row("soak", checks, res, rss_slope_bytes_per_min=slope, steps=len(res.get("step_s") or []),
                 seconds=seconds, samples=s)
 
