@@ -14,6 +14,7 @@ from .checkpoint import (CheckpointSpaceError, CorruptCheckpointError, export_pr
 from .config import Config
 from .engine.faults import EngineFailedError
 from .engine.pressure import MemoryPressureError
+from .engine.residency import DeviceOutOfMemoryError
 from .engine.tiers import BudgetError
 from .lazy_init import init
 from .pretrained import load_pretrained
@@ -23,5 +24,5 @@ __version__ = "0.1.0"
 
 __all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "full_state_dict", "BudgetError",
            "EngineFailedError", "init", "load_pretrained", "close", "save_checkpoint", "load_checkpoint",
-           "verify_checkpoint", "export_pretrained", "CorruptCheckpointError", "CheckpointSpaceError", "MemoryPressureError",
+           "verify_checkpoint", "export_pretrained", "CorruptCheckpointError", "CheckpointSpaceError", "MemoryPressureError", "DeviceOutOfMemoryError",
            "__version__"]

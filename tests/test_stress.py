@@ -1,9 +1,10 @@
 """`infinity stress --quick` (issue 21): one case of each scenario family,
 each in its own processes: budget squeeze, RAM squeeze (simulated signal),
 pinned-memory squeeze, disk faults (EIO, short I/O, a corrupt extent then
-an exact resume, a too-small filesystem where root can mount one), process
-faults (SIGKILL and SIGTERM mid-step, then an exact resume on the same swap
-folder) and a short soak."""
+an exact resume; where root can loop-mount ext4: a full checkpoint disk, the
+swap filesystem unmounted and its device gone mid-run, a too-small swap
+filesystem), process faults (SIGKILL, SIGTERM and SIGINT mid-step, SIGKILL
+mid-save, then an exact resume on the same swap folder) and a short soak."""
 
 import json
 import os

@@ -19,7 +19,7 @@ import torch
 from ..io.errors import PoolExhausted
 from . import policy
 from .nvme import key as swap_key
-from .placement import nbytes, round_pool
+from .placement import nbytes, round_pool, spillable
 from .state import CacheState, transition
 from .tiers import BudgetError, HostTier
 from .trace import NEVER
@@ -39,6 +39,7 @@ class HostRecord:
     write: object = None      # the write-back of an evicted copy, in flight
     locks: int = 0            # updates writing ``compute`` now
     next_compute: Optional[torch.Tensor] = None  # delayed mode: the buffer the queued update writes
+    spilled: bool = False     # a host home moved to the swap files under memory pressure (see spill)
 
 
 class OwnedLock:
@@ -254,9 +255,13 @@ class HostCache:
             h.busy = self.nvme.read(swap_key(u.index, "compute"), comp)
             return h.busy
 
+    def nvme_home(self, u) -> bool:
+        """``u``'s compute copy lives in the swap files (``offload_params="nvme"``, or spilled)."""
+        return self.modes.params_nvme or u.host.spilled
+
     def for_fetch(self, u):
         """(host copy, NVMe read filling it or None): the source of a fetch."""
-        read = self.load(u) if self.modes.params_nvme else None
+        read = self.load(u) if self.nvme_home(u) else None
         return u.host.compute, read
 
     def reading(self, u, ticket) -> None:
@@ -292,7 +297,7 @@ class HostCache:
         copy). ``whole``: the update writes every trainable parameter (else
         the old copy is read first). Pair with :meth:`close_update`."""
         h = u.host
-        if not self.modes.params_nvme:
+        if not self.nvme_home(u):
             if h.busy is not None:
                 h.busy.wait()  # a host barrier: a fetch may still read the old copy
             return h.compute
@@ -323,7 +328,7 @@ class HostCache:
         :meth:`open_for_update` or :meth:`lock_master`): the copy is dirty,
         written back with ``sums`` (the update's checksums of the whole copy,
         or None) when evicted."""
-        if not self.modes.params_nvme:
+        if not self.nvme_home(u):
             return
         with self.lock:
             h = u.host
@@ -358,7 +363,7 @@ class HostCache:
         h = u.host
         if h.compute is not None:
             return h.compute
-        if not self.modes.params_nvme:
+        if not self.nvme_home(u):
             return None
         self._settle_write_back(u)
         out = torch.empty(u.place.home_numel, dtype=self.modes.dtype)
@@ -376,6 +381,56 @@ class HostCache:
             h.sums = None
             if h.state is CacheState.DIRTY:
                 h.state = transition(u.name, "host", h.state, CacheState.CLEAN)
+
+    # -- spilling homes under memory pressure (pressure.py) -------------------------------
+
+    def can_spill(self, u) -> bool:
+        """``u``'s permanent host home may move to the swap files: the NVMe
+        tier reserved room for it (placement.spillable), no update
+        holds it, and it is not the delayed mode's pair of buffers."""
+        h = u.host
+        return spillable(self.modes) and h.state is CacheState.HOME and not h.locks
+
+    def spill(self, u) -> int:
+        """Writes ``u``'s host home to the swap files and gives its buffer
+        back: from now on it is an NVMe home, cached like any. Returns the bytes freed."""
+        with self.lock:
+            h = u.host
+            if not self.can_spill(u):
+                return 0
+            if h.busy is not None:
+                h.busy.wait()  # a fetch may still copy from the buffer
+            self.nvme.write(swap_key(u.index, "compute"), h.compute).wait()
+            freed = round_pool(h.compute.numel() * h.compute.element_size())
+            self.tier.free(h.compute)
+            h.compute = h.busy = None
+            h.spilled = True
+            h.state = transition(u.name, "host", h.state, CacheState.NONE)
+            return freed
+
+    def take_home(self, u) -> bool:
+        """Undoes :meth:`spill`: ``u`` gets a permanent host home again, filled
+        from its cached copy or the swap file. False (still spilled) when the
+        pool has no room for it now."""
+        with self.lock:
+            h = u.host
+            if not h.spilled or h.locks:
+                return False
+            try:
+                home = self.alloc(u.place.home_numel, self.modes.dtype)
+            except BudgetError:
+                return False
+            if h.compute is not None:  # cached (clean or dirty): the newest bytes
+                if h.busy is not None:
+                    h.busy.wait()
+                home.copy_(h.compute)
+                self.tier.release(h.buf)
+            else:
+                self._settle_write_back(u)
+                self.nvme.read(swap_key(u.index, "compute"), home).wait()
+            h.compute, h.buf, h.busy, h.sums, h.spilled = home, None, None, None, False
+            h.state = transition(u.name, "host", h.state, CacheState.HOME)
+            return True
 
     # -- teardown --------------------------------------------------------------------
 

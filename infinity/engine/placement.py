@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence
 import torch
 
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need",
-           "nvme_capacity", "modes_of", "nbytes", "round_pool", "POOL_ALIGN", "RANGE_ALIGN", "PIPELINE_BUFFERS",
+           "nvme_capacity", "modes_of", "spillable", "nbytes", "round_pool", "POOL_ALIGN", "RANGE_ALIGN", "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
 
 POOL_ALIGN = 4096          # bytes; host buffers start on pages (O_DIRECT, pinning)
@@ -207,6 +207,7 @@ class HostNeed:
     minimum: int     # what the placement needs at least
     capacity: int    # the pool's size (more buys nothing)
     nvme_bytes: int  # what the swap files hold
+    spill_bytes: int = 0  # swap room kept for host homes spilled under memory pressure (see spillable)
 
 
 def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
@@ -238,7 +239,15 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
         zero_transient = min(zero_transient, ZERO_TRANSIENT_UNITS * largest_t)
     minimum += min(zero_transient, ZERO_REDUCING_UNITS * largest_t)
     capacity = perm + (cache_all + pipeline if modes.nvme_used else 0) + zero_transient
-    return HostNeed(perm, minimum, capacity, nvme)
+    spill = sum(round_pool(nbytes(p.home_numel, modes.dtype)) for p in places) if spillable(modes) else 0
+    return HostNeed(perm, minimum, capacity, nvme, spill)
+
+
+def spillable(modes: Modes) -> bool:
+    """Host homes of compute copies may move to the swap files under memory
+    pressure (see [Note: memory pressure]): parameters on the host, an NVMe
+    tier there for the optimizer state, one buffer per home (not delayed)."""
+    return modes.params == "host" and modes.opt_nvme and not modes.delayed
 
 
 def _permanent_state(p: UnitPlacement, modes: Modes, tb: int, sb: int) -> int:
@@ -258,6 +267,6 @@ def _zero_full(modes: Modes, tb: int) -> int:
 
 
 def nvme_capacity(need: HostNeed, units: int, paths: int) -> int:
-    """Bytes of swap files per rank: the state, plus per key and path two
-    pages of extent rounding, plus ``SWAP_SLACK_PAGES``."""
-    return need.nvme_bytes + 2 * 4096 * units * KINDS_PER_UNIT * paths + SWAP_SLACK_PAGES * 4096
+    """Bytes of swap files per rank: the state and the room for spilled homes,
+    plus per key and path two pages of extent rounding, plus ``SWAP_SLACK_PAGES``."""
+    return need.nvme_bytes + need.spill_bytes + 2 * 4096 * units * KINDS_PER_UNIT * paths + SWAP_SLACK_PAGES * 4096

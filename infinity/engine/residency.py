@@ -23,7 +23,11 @@ from .state import DeviceState, Quiet, transition
 from .tiers import BudgetError, DeviceTier
 from .trace import NEVER
 
-__all__ = ["DeviceRecord", "Residency"]
+__all__ = ["DeviceRecord", "Residency", "DeviceOutOfMemoryError"]
+
+
+class DeviceOutOfMemoryError(torch.OutOfMemoryError):
+    """A fetch met a full device twice (see [Note: device OOM in a fetch])."""
 
 
 @dataclass
@@ -62,6 +66,8 @@ class Residency:
         self._wanted: List = []    # backward needs them; no room yet (see [Note: pins])
         self._protected: set = set()  # unit indexes unpacked since the last hook
         self.depth_limit: Optional[int] = None  # prefetch depth lowered under memory pressure (pressure.py)
+        self.oom_depth: Optional[int] = None  # lowered for good by a device OOM in a fetch (see _after_oom)
+        self.note: Callable[..., None] = lambda action, **kw: None  # an event for infinity.stats (the engine's)
         for u in units:
             u.dev = DeviceRecord()
 
@@ -234,23 +240,59 @@ class Residency:
         d.state = transition(u.name, "device", d.state, DeviceState.FETCHING)
         d.range, d.compute = off, self.tier.view(off, p.compute_numel, self.modes.dtype)
         host, read = self.source.for_fetch(u)
+        try:
+            d.ticket = self._issue(u, host, read)
+        except torch.OutOfMemoryError as e:
+            d.ticket = self._after_oom(u, host, read, e)
+        self.source.reading(u, d.ticket)
+        self.stats.moved("h2d", p.compute_bytes // self.modes.world if self.modes.zero == 3 else p.compute_bytes)
+        self._attach(u)
+
+    def _issue(self, u, host, read):
+        """The ticket of ``u``'s copy up from ``host`` (after ``read``, its NVMe read, if any)."""
         # A range just allocated holds no live data: its copy waits only for
         # the eviction that freed it (see [Note: device range reuse]).
-        h2d, dev, tn = self._fresh_h2d, d.compute, p.trainable_numel
+        h2d, dev, tn = self._fresh_h2d, u.dev.compute, u.place.trainable_numel
         if self.modes.zero == 3 and read is not None:
             # The NVMe read starts now; the gather is issued when compute needs
             # the unit, from the thread that issues every collective, so all
             # ranks issue them in the same order (see [Note: ZeRO shards in infinity]).
-            d.ticket = DeferredTicket(read.wait, lambda: self.sharding.gather_units_params(dev, host, tn, h2d=h2d))
-        elif self.modes.zero == 3:
-            d.ticket = self.sharding.gather_units_params(dev, host, tn, h2d=h2d)
-        elif read is not None:
-            d.ticket = self.mover.chain(read.wait, lambda: h2d(dev, host))
-        else:
-            d.ticket = h2d(dev, host)
-        self.source.reading(u, d.ticket)
-        self.stats.moved("h2d", p.compute_bytes // self.modes.world if self.modes.zero == 3 else p.compute_bytes)
-        self._attach(u)
+            return DeferredTicket(read.wait, lambda: self.sharding.gather_units_params(dev, host, tn, h2d=h2d))
+        if self.modes.zero == 3:
+            return self.sharding.gather_units_params(dev, host, tn, h2d=h2d)
+        if read is not None:
+            return self.mover.chain(read.wait, lambda: h2d(dev, host))
+        return h2d(dev, host)
+
+    def _after_oom(self, u, host, read, err: BaseException):
+        """[Note: device OOM in a fetch] The copy into the arena allocates
+        nothing, but a gather's or a copy's workspace can meet a device whose
+        memory the activations took: the prefetch depth drops by one (for the
+        rest of the run: the activations that filled the device come back
+        every step), the allocator's cached blocks go back, and the copy is
+        issued once more (on several ranks the depth stays: it orders the
+        collectives). A second failure ends the fetch with a named error
+        (a torch.OutOfMemoryError): the unit is absent again, no update ran,
+        and the engine stops serving (faults.py): resume from the last
+        checkpoint with a smaller device_memory."""
+        if self.sharding.world == 1:  # on several ranks the prefetch order orders collectives: it stays
+            self.oom_depth = max(0, self.depth() - 1)
+        self.note("device out of memory in a fetch", unit=u.name, depth=self.depth())
+        if self.modes.device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            return self._issue(u, host, read)
+        except torch.OutOfMemoryError as again:
+            d = u.dev
+            self.tier.free(d.range)
+            d.range = d.compute = None
+            d.state = transition(u.name, "device", d.state, DeviceState.ABSENT)
+            raise DeviceOutOfMemoryError(
+                f"device out of memory while fetching unit {u.name!r} ({u.place.compute_bytes} bytes), twice: "
+                f"{again}. The device tier is device_memory={self.tier.budget_bytes} bytes "
+                f"({format_bytes(self.tier.budget_bytes)}); the rest of the device is for activations and "
+                "workspaces. Lower device_memory to leave them more room, "
+                "use activation checkpointing, or a smaller batch") from err
 
     def _wait(self, u) -> None:
         d = u.dev
@@ -261,10 +303,14 @@ class Residency:
             d.ticket = None
             d.state = transition(u.name, "device", d.state, DeviceState.RESIDENT)
 
+    def depth(self) -> int:
+        """The prefetch depth now: ``prefetch_depth``, lowered under memory pressure or after a device OOM."""
+        return min([self.modes.depth] + [d for d in (self.depth_limit, self.oom_depth) if d is not None])
+
     def _prefetch(self) -> None:
         """Brings the plan's units up early, never evicting a unit needed
         sooner than the one being brought in."""
-        depth = self.modes.depth if self.depth_limit is None else min(self.modes.depth, self.depth_limit)
+        depth = self.depth()
         if depth == 0 or not self.trace.has_trace or self.modes.params_on_device:
             return
         plan = policy.prefetch_plan(self.trace.upcoming(4 * depth + 4), depth, self.modes.prefetch_bytes,

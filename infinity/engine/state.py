@@ -61,9 +61,10 @@ of the largest other units, with nothing extra for backward.
     WRITING_BACK  evicted dirty: the write-back is in flight and the buffer
                   is freed when it is done; a new read waits for it
 
-    NONE -> CLEAN (read, or a copy written whole) | HOME (placement)
-    CLEAN -> DIRTY (update) | NONE (evicted)
-    DIRTY -> CLEAN (written back, kept) | WRITING_BACK (evicted)
+    NONE -> CLEAN (read, or a copy written whole) | HOME (placement, or taken back home)
+    HOME -> NONE (spilled to the swap files under memory pressure)
+    CLEAN -> DIRTY (update) | NONE (evicted) | HOME (a spilled unit taken back home)
+    DIRTY -> CLEAN (written back, kept) | WRITING_BACK (evicted) | HOME (taken back home)
     WRITING_BACK -> NONE (the write is done)
 
 [Note: optimizer-state states]
@@ -152,9 +153,9 @@ _LEGAL = {
     DeviceState.FETCHING: {DeviceState.RESIDENT, DeviceState.ABSENT},
     DeviceState.RESIDENT: {DeviceState.ABSENT},
     CacheState.NONE: {CacheState.CLEAN, CacheState.HOME},
-    CacheState.HOME: set(),
-    CacheState.CLEAN: {CacheState.DIRTY, CacheState.NONE},
-    CacheState.DIRTY: {CacheState.CLEAN, CacheState.WRITING_BACK},
+    CacheState.HOME: {CacheState.NONE},
+    CacheState.CLEAN: {CacheState.DIRTY, CacheState.NONE, CacheState.HOME},
+    CacheState.DIRTY: {CacheState.CLEAN, CacheState.WRITING_BACK, CacheState.HOME},
     CacheState.WRITING_BACK: {CacheState.NONE},
     OptState.NONE: {OptState.RESIDENT, OptState.HOME},
     OptState.RESIDENT: set(),

@@ -130,7 +130,7 @@ class HostTier:
                               f"({format_bytes(budget_bytes)}); raise host_memory or offload to 'nvme'")
         self.budget_bytes = budget_bytes
         self.pool = None
-        self._buffers = []
+        self._buffers = {}  # data_ptr -> pool handle of the buffers kept for good
         self._final_peak = 0  # the pool's peak, kept past close() for stats
         self._closed = False
         if capacity_bytes > 0:
@@ -147,8 +147,12 @@ class HostTier:
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed 1-D host tensor of ``numel`` elements of ``dtype``, kept for good."""
         t, buf = self.acquire(numel, dtype, zero=True)
-        self._buffers.append(buf)
+        self._buffers[t.data_ptr()] = buf
         return t
+
+    def free(self, t: torch.Tensor) -> None:
+        """Gives back a buffer of :meth:`alloc` (a home spilled to NVMe under memory pressure)."""
+        self._buffers.pop(t.data_ptr()).release()
 
     def acquire(self, numel: int, dtype: torch.dtype, zero: bool = False, high: bool = False):
         """(tensor, handle) of a transient buffer; raises PoolExhausted when the
@@ -195,8 +199,8 @@ class HostTier:
         No copy may still read or write it: synchronize the mover first (see
         [Note: releasing the pool] in infinity/io/host_pool.py)."""
         self._closed = True
-        buffers, self._buffers = self._buffers, []
-        for b in buffers:
+        buffers, self._buffers = self._buffers, {}
+        for b in buffers.values():
             b.release()
         pool, self.pool = self.pool, None
         if pool is not None:

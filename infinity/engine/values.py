@@ -196,5 +196,5 @@ class Values:
             home = p.sharding.shard_of_params(home, u.place.trainable_numel)
             if u.host.compute is not None:
                 u.host.compute.copy_(home)
-        if m.params_nvme:
+        if p.cache.nvme_home(u):
             p.cache.store_compute(u, home)

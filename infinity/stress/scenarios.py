@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
+from .fs import loop_ext4, unmount
+
 __all__ = ["SCENARIOS", "Context"]
 
 
@@ -123,8 +125,10 @@ def budget_squeeze(ctx: Context) -> dict:
 
 def ram_squeeze(ctx: Context) -> dict:
     """RAM left to the process falls (a simulated signal, steps 2-4): the
-    run gives way (cache capped, pages returned, prefetch lowered), goes on
-    to the same losses, and grows back."""
+    run gives way (cache capped, pages returned, prefetch lowered; host homes
+    spilled to NVMe), goes on to the same losses, and grows back. The full
+    run adds a ballast process squeezing the machine's RAM and memory
+    cgroup limits (root)."""
     res = ctx.run(ctx.job(end=ctx.steps + 4, pressure=[2, 4, 100 << 20]))
     ref = ctx.reference()
     actions = [e["action"] for e in res.get("events", [])]
@@ -135,14 +139,74 @@ def ram_squeeze(ctx: Context) -> dict:
               "not OOM-killed": res["returncode"] != -9}
     notes = "simulated signal"
     if not ctx.quick:
+        checks.update(_spill_case(ctx))
+        need = _rss_need(ctx)
+        got, outcomes = _ballast_cases(ctx, need)
+        checks.update(got)
+        notes += "; a ballast process leaving MemAvailable just above, then just below the run's need: " + \
+            "; ".join(outcomes)
         cg = _memory_cgroup(ctx)
         if cg is None:
             notes += "; no writable memory cgroup here: the cgroup cases did not run"
         else:
-            got, outcomes = _cgroup_cases(ctx, cg)
+            got, outcomes = _cgroup_cases(ctx, cg, need)
             checks.update(got)
             notes += "; cgroup limits just above and just below the run's estimated need: " + "; ".join(outcomes)
     return _row("RAM squeeze", checks, res, events=res.get("events"), notes=notes)
+
+
+def _spill_case(ctx: Context) -> Dict[str, bool]:
+    """Parameters homed on the host, optimizer state on NVMe, under the
+    simulated signal: the host homes spill to the swap files and come back,
+    and the losses are those of the same run undisturbed."""
+    kw = dict(place="host", opt_place="nvme", host_memory=ctx.budgets(place="host", opt_place="nvme")["host"] + (8 << 20))
+    ref = ctx.run(ctx.job(end=ctx.steps + 4, **kw))["losses"]
+    res = ctx.run(ctx.job(end=ctx.steps + 4, pressure=[2, 4, 100 << 20], **kw))
+    acts = [e["action"] for e in res.get("events") or []]
+    return {"host homes spilled to NVMe and came back, same losses": res["error"] is None and
+            "spill to NVMe" in acts and any(e.get("taken_home") for e in res.get("events") or []) and
+            bool(ref) and res["losses"] == ref}
+
+
+def _rss_need(ctx: Context) -> int:
+    """The stress job's estimated peak RSS (bytes)."""
+    import torch
+
+    from ..estimator import estimate_peaks
+    from .worker import build
+    with torch.device("meta"):
+        model, cfg = build(ctx.job())
+    return estimate_peaks(model, cfg)["rss"]["peak"]
+
+
+def _ballast_cases(ctx: Context, need: int):
+    """The run beside a ballast that leaves the machine's MemAvailable at
+    its need (estimated peak RSS) plus twice the monitor's margin, then at
+    its need alone, so the run's own pages take it below the margin: the run goes on (giving way where it must) or stops with
+    MemoryPressureError; neither it nor the ballast is OOM-killed."""
+    from ..engine.pressure import MIN_MARGIN
+    checks, outcomes = {}, []
+    for name, leave in (("above", need + 2 * MIN_MARGIN), ("below", need)):
+        b = subprocess.Popen([sys.executable, "-m", "infinity.stress.ballast", str(leave)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            ready = b.stdout.readline().split()
+            res = ctx.run(ctx.job(end=ctx.steps))
+            alive = b.poll() is None
+        finally:
+            b.stdin.close()
+            b.wait(timeout=60)
+        err = res.get("error") or ""
+        ok = res["returncode"] != -9 and alive and (res["error"] is None or "MemoryPressureError" in err)
+        taken = int(ready[1]) if len(ready) == 2 else 0
+        checks[f"ballast leaves {leave >> 20} MiB ({name} the need {need >> 20} MiB + the margin): went on or stopped "
+               "with MemoryPressureError, nothing OOM-killed"] = ok
+        acts = sorted({e["action"] for e in res.get("events") or []})
+        outcomes.append(f"{name}: ballast took {taken >> 20} MiB, run " +
+                        ("finished" if res["error"] is None else err.split(":")[0]) +
+                        (f", gave way ({', '.join(acts)})" if acts else "") +
+                        ("" if alive else ", the kernel killed the ballast"))
+    return checks, outcomes
 
 
 def _memory_cgroup(ctx: Context) -> Optional[str]:
@@ -166,19 +230,12 @@ def _memory_cgroup(ctx: Context) -> Optional[str]:
     return None
 
 
-def _cgroup_cases(ctx: Context, cg: str):
-    """The run under a cgroup limit just above, then just below, its need: it
-    goes on (giving way where it must) or stops with MemoryPressureError;
-    never killed by the OOM killer."""
-    import torch
-
-    from ..estimator import estimate_peaks
-    from .worker import build
+def _cgroup_cases(ctx: Context, cg: str, need: int):
+    """The run under a cgroup limit just above, then just below, its need
+    (bytes of estimated peak RSS): it goes on (giving way where it must) or
+    stops with MemoryPressureError; never killed by the OOM killer."""
     v1 = os.path.exists(os.path.join(cg, "memory.limit_in_bytes"))
     limit_file = os.path.join(cg, "memory.limit_in_bytes" if v1 else "memory.max")
-    with torch.device("meta"):
-        model, cfg = build(ctx.job())
-    need = estimate_peaks(model, cfg)["rss"]["peak"]
     checks, outcomes = {}, []
     try:
         for name, limit in (("above", int(need * 1.25)), ("below", int(need * 0.9))):
@@ -243,25 +300,48 @@ def disk_faults(ctx: Context) -> dict:
     checks["resumed from the last checkpoint exactly"] = again["error"] is None and bool(again["losses"]) and \
         all(ref[k] == v for k, v in again["losses"].items()) and max(again["losses"]) == ctx.steps - 1
     checks.update(_full_checkpoint_disk(ctx, ref))
-    tiny = _tiny_fs(ctx)
+    checks.update(_device_gone(ctx, ref))
+    tiny = loop_ext4(ctx.swap_root, "tiny", 4 << 20)
+    notes = "loop-mounted ext4 images" if tiny else "not root or no loop devices: the real-filesystem cases did not run"
     if tiny is not None:
         try:
             small = ctx.run(ctx.job(swap=tiny, end=1))
         finally:
-            subprocess.run(["umount", tiny], capture_output=True)
+            unmount(tiny)
         checks["swap filesystem too small: refused naming the path"] = bool(small["error"]) and tiny in small["error"]
-    return _row("disk faults", checks, bad, first_error=err, resumed_exactly=checks[
-        "resumed from the last checkpoint exactly"])
+    return _row("disk faults", checks, bad, first_error=err, notes=notes, resumed_exactly=all(
+        v for k, v in checks.items() if "resume" in k))
 
 
-def _tiny_fs(ctx: Context, name: str = "tiny", size: int = 2 << 20) -> Optional[str]:
-    """A tmpfs of ``size`` bytes (root only), or None."""
-    path = os.path.join(ctx.swap_root, name)
-    os.makedirs(path, exist_ok=True)
-    if os.geteuid() != 0:
-        return None
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True)
-    return path if r.returncode == 0 else None
+def _device_gone(ctx: Context, ref: Dict[int, float]) -> Dict[str, bool]:
+    """The swap filesystem unmounted (lazily: the open files carry on) and
+    its device gone (every I/O fails): a named error within seconds naming
+    the path, the checkpoint on another disk intact, resumed exactly."""
+    checks: Dict[str, bool] = {}
+    mnt = loop_ext4(ctx.swap_root, "unmounted", 64 << 20)
+    if mnt is None:
+        return checks
+    try:
+        res = ctx.run(ctx.job(swap=mnt, unmount_swap_after=2))
+        checks["swap filesystem unmounted mid-run: the open files carry on, same losses"] = \
+            res["error"] is None and res["losses"] == ref and res["returncode"] == 0
+    finally:
+        unmount(mnt, lazy=True)
+    mnt = loop_ext4(ctx.swap_root, "gone", 64 << 20)
+    if mnt is None:
+        return checks
+    ck = os.path.join(ctx.out, "ck-gone")
+    try:
+        res = ctx.run(ctx.job(swap=mnt, ckpt=ck, ckpt_every=2, shut_down_swap_after=3))
+    finally:
+        unmount(mnt, lazy=True)
+    err, after = res["error"] or "", (res.get("error_after_s") or 0) - (res.get("last_step_at") or 0)
+    checks["swap device gone: a named I/O error naming the swap path, within 10 s"] = \
+        "Input/output error" in err and mnt in err and 0 <= after <= 10
+    again = ctx.run(ctx.job(swap=os.path.join(ctx.swap_root, "after-gone"), ckpt=ck, resume=True))
+    checks["swap device gone: resumed on another disk from the last checkpoint exactly"] = \
+        again["error"] is None and bool(again["losses"]) and all(ref[k] == v for k, v in again["losses"].items())
+    return checks
 
 
 def _full_checkpoint_disk(ctx: Context, ref: Dict[int, float]) -> Dict[str, bool]:
@@ -269,7 +349,7 @@ def _full_checkpoint_disk(ctx: Context, ref: Dict[int, float]) -> Dict[str, bool
     second save fails naming the path and the bytes, the run goes on with the
     same losses, and the first checkpoint still resumes exactly."""
     one = ctx.budgets()["state"] + (2 << 20)  # fp32 weights, both moments, the compute copies' share, the manifest
-    disk = _tiny_fs(ctx, "ckfull", int(1.5 * one))
+    disk = loop_ext4(ctx.swap_root, "ckfull", int(1.5 * one) + (2 << 20))  # + ext4's own blocks
     if disk is None:
         return {}
     try:
@@ -283,13 +363,14 @@ def _full_checkpoint_disk(ctx: Context, ref: Dict[int, float]) -> Dict[str, bool
             bool(again["losses"]) and all(ref[k] == v for k, v in again["losses"].items())
         return checks
     finally:
-        subprocess.run(["umount", disk], capture_output=True)
+        unmount(disk)
 
 
 def process_faults(ctx: Context) -> dict:
-    """SIGKILL, SIGTERM and SIGINT mid-step: the process ends; a new run on the same
-    swap folder starts (the dead run's lock and files reclaimed) and resumes
-    exactly from the last checkpoint."""
+    """SIGKILL, SIGTERM and SIGINT mid-step, and SIGKILL at points spread over
+    a save: the process ends; a new run on the same swap folder starts (the
+    dead run's lock and files reclaimed) and resumes exactly from the last
+    complete checkpoint."""
     ref, checks = ctx.reference(), {}
     first = None
     for sig in ("KILL", "TERM", "INT"):
@@ -304,6 +385,16 @@ def process_faults(ctx: Context) -> dict:
         again = ctx.run(ctx.job(swap=swap, ckpt=ck, resume=True))
         checks[f"after SIG{sig}: same swap folder, resumed exactly"] = again["error"] is None and \
             all(ref[k] == v for k, v in again["losses"].items()) and min(again["losses"], default=99) == 2
+    points = [("tensor", 3)] if ctx.quick else [("tensor", 1), ("tensor", 9), ("tensor", 20), ("manifest", 1),
+                                                  ("commit", 1)]
+    for point, nth in points:
+        ck = os.path.join(ctx.out, f"ck-save-{point}-{nth}")
+        swap = os.path.join(ctx.swap_root, f"save-{point}-{nth}")
+        dead = ctx.run(ctx.job(swap=swap, ckpt=ck, ckpt_every=2, kill_in_save=[point, nth]))
+        again = ctx.run(ctx.job(swap=swap, ckpt=ck, resume=True))
+        checks[f"SIGKILL mid-save ({point} #{nth}): the previous checkpoint resumed exactly"] = \
+            dead["returncode"] == -9 and again["error"] is None and min(again["losses"], default=99) == 2 and \
+            all(ref[k] == v for k, v in again["losses"].items())
     return _row("process faults", checks, first, resumed_exactly=all(v for k, v in checks.items() if "resumed" in k))
 
 

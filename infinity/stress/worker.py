@@ -31,7 +31,8 @@ def build(job: dict):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=job["seq"], n_layer=job["layers"], n_head=4,
                           n_embd=job["embd"]))
-    cfg = infinity.Config(device="cpu", dtype="fp32", offload_params=job["place"], offload_optimizer=job["place"],
+    cfg = infinity.Config(device="cpu", dtype="fp32", offload_params=job["place"],
+                          offload_optimizer=job.get("opt_place", job["place"]),
                           device_memory=job.get("device_memory"), host_memory=job.get("host_memory"),
                           swap_paths=[job["swap"]], prefetch_depth=job.get("depth", 2), swap_block_size=1 << 20)
     return model, cfg
@@ -79,7 +80,30 @@ def _step(job, model, opt, eng, step: int) -> float:
         _flip_moments(eng)
     if job.get("remove_swap_after") == step:
         shutil.rmtree(job["swap"])  # an operator's rm -rf: the open files live on until closed
+    if job.get("unmount_swap_after") == step:
+        from .fs import unmount
+        unmount(job["swap"], lazy=True)  # detached: the open files live on, the folder is gone
+    if job.get("shut_down_swap_after") == step:
+        from .fs import shut_down
+        shut_down(job["swap"])  # the device is gone: every I/O fails from here on
     return loss.item()
+
+
+def _arm_kill_in_save(job: dict, saves: int) -> None:
+    """``kill_in_save: [point, nth]``: the save after the first is SIGKILLed at
+    the ``nth`` time it reaches ``point`` (see infinity.checkpoint.save.test_hook)."""
+    if not job.get("kill_in_save") or saves != 1:
+        return
+    from infinity.checkpoint import save
+    point, nth = job["kill_in_save"]
+    seen = [0]
+
+    def hook(p):
+        if p == point:
+            seen[0] += 1
+            if seen[0] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+    save.test_hook = hook
 
 
 def run(job: dict) -> dict:
@@ -99,17 +123,21 @@ def run(job: dict) -> dict:
     if job.get("resume"):
         start = infinity.load_checkpoint(job["ckpt"], model, opt)["next"]
     deadline = time.time() + job["seconds"] if job.get("seconds") else None
+    saves = 0
     try:
         step = start
         while step < job["end"] or (deadline is not None and time.time() < deadline):
             t0 = time.perf_counter()
             res["losses"][step] = _step(job, model, opt, eng, step)
             res["step_s"].append(time.perf_counter() - t0)
+            res["last_step_at"] = time.time()
             print(f"LOSS {step} {res['losses'][step]!r}", flush=True)
             step += 1
             if job.get("ckpt") and job.get("ckpt_every") and step % job["ckpt_every"] == 0:
                 try:
                     infinity.save_checkpoint(job["ckpt"], model, opt, extra={"next": step}, keep_last=2)
+                    saves += 1
+                    _arm_kill_in_save(job, saves)
                 except infinity.CheckpointSpaceError as e:  # the partial one is removed; the run goes on
                     res.setdefault("checkpoint_errors", []).append(str(e))
             if job.get("sample"):
@@ -120,7 +148,10 @@ def run(job: dict) -> dict:
     s = infinity.stats(model)
     res.update(peak=s["peak_bytes"], budget=s["budget_bytes"], events=s["pressure_events"],
                skipped=s["skipped_steps"], retried=len(eng.nvme.retried) if eng.nvme is not None else 0)
-    infinity.close(model, keep_values=False)
+    try:
+        infinity.close(model, keep_values=False)
+    except Exception as e:  # noqa: BLE001 - e.g. swap files on a device that is gone
+        res["close_error"] = f"{type(e).__name__}: {e}"
     return res
 
 
