@@ -9,7 +9,7 @@ AdamW and ZeRO stages 1-3. See docs/architecture.md.
 
 from . import native, optim
 from .api import close, full_state_dict, initialize, stats
-from .checkpoint import (CheckpointSpaceError, CorruptCheckpointError, export_pretrained, load_checkpoint,
+from .checkpoint import (AsyncCheckpoint, CheckpointSpaceError, CorruptCheckpointError, export_pretrained, load_checkpoint,
                          save_checkpoint, verify_checkpoint)
 from .config import Config
 from .engine.faults import EngineFailedError
@@ -24,5 +24,5 @@ __version__ = "0.1.0"
 
 __all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "full_state_dict", "BudgetError",
            "EngineFailedError", "init", "load_pretrained", "close", "save_checkpoint", "load_checkpoint",
-           "verify_checkpoint", "export_pretrained", "CorruptCheckpointError", "CheckpointSpaceError", "MemoryPressureError", "DeviceOutOfMemoryError",
+           "verify_checkpoint", "export_pretrained", "CorruptCheckpointError", "CheckpointSpaceError", "MemoryPressureError", "DeviceOutOfMemoryError", "AsyncCheckpoint",
            "__version__"]

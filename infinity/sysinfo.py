@@ -115,6 +115,11 @@ def rss_bytes(peak: bool = False) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def locked_bytes() -> int:
+    """Bytes of this process's memory locked in RAM (the kernel's VmLck; 0 where unknown)."""
+    return _kib_field("/proc/self/status", "VmLck") or 0
+
+
 def reset_peak_rss() -> None:
     """Resets the kernel's peak mark (VmHWM), so it covers only what follows (Linux)."""
     try:

@@ -12,7 +12,9 @@ state dict and ``torch.distributed.checkpoint.save`` of the same tensors
 (their time includes building those tensors, which infinity's streaming
 avoids); peak RSS growth during save and load (VmHWM reset through
 /proc/self/clear_refs). Targets: save and load >= 0.8x raw; >= 2x
-torch.save and DCP; peak RSS growth <= host_memory + staging.
+torch.save and DCP; peak RSS growth <= host_memory + staging. Also the
+step-time cost of a background save (``blocking=False``): a few steps timed
+alone and beside one, against the blocking save's time.
 
 Usage: python scripts/bench_checkpoint.py [--layers 12 --embd 1024] [--dir ./infinity-bench-ckpt]
 """
@@ -91,13 +93,31 @@ def build(args, placement: str, swap: str):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=8192, block_size=128, n_layer=args.layers, n_head=16, n_embd=args.embd))
     cfg = infinity.Config(device="cpu", dtype="bf16", offload_params=placement, offload_optimizer=placement,
-                          host_memory=args.host, device_memory="256MiB", swap_paths=[swap])
+                          host_memory=args.host, device_memory="256MiB", swap_paths=[swap], overlap="backward")
     m, o = infinity.initialize(model, cfg, lr=1e-4)
-    ids = torch.randint(0, 8192, (2, 129))
-    m(ids[:, :-1], ids[:, 1:]).backward()
-    o.step()
-    o.zero_grad()
+    train_steps(m, o, 1)
     return m, o, cfg
+
+
+def train_steps(m, o, n: int) -> None:
+    for _ in range(n):
+        ids = torch.randint(0, 8192, (2, 129))
+        m(ids[:, :-1], ids[:, 1:]).backward()
+        o.step()
+        o.zero_grad()
+
+
+def background_cost(m, o, ck: str, steps: int) -> dict:
+    """Seconds of ``steps`` training steps alone, and of the same steps run
+    while ``save_checkpoint(blocking=False)`` writes (through its wait)."""
+    t = time.perf_counter()
+    train_steps(m, o, steps)
+    alone = time.perf_counter() - t
+    t = time.perf_counter()
+    pending = infinity.save_checkpoint(ck, m, o, blocking=False)
+    train_steps(m, o, steps)
+    pending.wait()
+    return {"steps": steps, "steps_s": alone, "steps_with_bg_save_s": time.perf_counter() - t}
 
 
 def timed(fn):
@@ -117,6 +137,9 @@ def bench_placement(args, placement: str, root: str) -> dict:
     _, t_load, rss_load = timed(lambda: infinity.load_checkpoint(ck, m, o))
     res = {"placement": placement, "bytes": nbytes, "save_s": t_save, "load_s": t_load,
            "save_rss": rss_save, "load_rss": rss_load, "host_memory": cfg.host_memory}
+    if args.bg_steps:
+        shutil.rmtree(ck, ignore_errors=True)
+        res["background"] = background_cost(m, o, ck, args.bg_steps)
     if not args.no_baselines:
         res.update(baselines(m, o, root, placement))
     infinity.close(m)
@@ -161,6 +184,12 @@ def report(raw, rows) -> bool:
         print(f"  load_checkpoint {r['load_s']:6.2f} s = {lr:.2f} GB/s = {lr / raw[1]:.2f}x raw read;"
               f" peak RSS +{r['load_rss'] / 2**20:.0f} MiB")
         ok &= sw / raw[0] >= 0.8 and lr / raw[1] >= 0.8
+        bg = r.get("background")
+        if bg:
+            cost = bg["steps_with_bg_save_s"] - bg["steps_s"]
+            print(f"  blocking=False  {bg['steps']} steps alone {bg['steps_s']:.2f} s, with the background save "
+                  f"{bg['steps_with_bg_save_s']:.2f} s: the save cost the steps {cost:.2f} s "
+                  f"({cost / r['save_s']:.2f}x a blocking save's {r['save_s']:.2f} s)")
         for k, base in (("torch_save_s", r["save_s"]), ("dcp_save_s", r["save_s"]), ("torch_load_s", r["load_s"])):
             if k in r:
                 print(f"  {k[:-2]:11s} {r[k]:6.2f} s: infinity is {r[k] / base:.2f}x faster")
@@ -178,6 +207,8 @@ def main() -> None:
                     help="scratch folder for swap files and checkpoints, removed at the end (default %(default)s)")
     ap.add_argument("--placements", default="host,nvme",
                     help="comma-separated placements of params and optimizer state: host, nvme (default both)")
+    ap.add_argument("--bg-steps", type=int, default=3,
+                    help="steps timed alone and beside a save_checkpoint(blocking=False); 0 skips (default 3)")
     ap.add_argument("--no-baselines", action="store_true",
                     help="skip the torch.save and torch.distributed.checkpoint runs")
     args = ap.parse_args()

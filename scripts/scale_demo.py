@@ -10,8 +10,17 @@ so the loss visibly falls. Prints parameters, model-state bytes, peak RSS,
 seconds per step and bytes moved; checks free disk space first and says what
 it needs.
 
+With ``--checkpoint DIR`` it then saves a checkpoint, trains one more step,
+builds the model again from nothing, loads the checkpoint and trains the same
+step: the loss and the weights after it must be bit-identical. Last it
+consolidates the checkpoint to bf16 safetensors in a subprocess and reports
+that process's peak RSS. Free disk is checked first for the swap files plus
+one checkpoint (about 26 bytes a parameter; ~2.5 B parameters fit the ~80 GB
+free here: ``--layers 32``).
+
 Usage: python scripts/scale_demo.py [--layers 51 --embd 2560] [--steps 3]
                                     [--host-memory 5.5GiB] [--device-memory 1GiB] [--swap-dir DIR]
+                                    [--checkpoint DIR]
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ def main() -> int:
     ap.add_argument("--swap-dir", action="append", default=None,
                     help="swap folder; repeat for several (default ./infinity-swap)")
     ap.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="save a checkpoint here after the steps, resume it in a new model and compare one step "
+                         "bit for bit, then consolidate it to bf16 (removed at the end)")
     args = ap.parse_args()
 
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
@@ -67,29 +79,27 @@ def main() -> int:
     paths = args.swap_dir or ["./infinity-swap"]
     for p in paths:
         os.makedirs(p, exist_ok=True)
-    free = sum(shutil.disk_usage(p).free for p in {os.stat(p).st_dev: p for p in paths}.values())
+    if args.checkpoint:
+        os.makedirs(args.checkpoint, exist_ok=True)
+        paths_and_ckpt = paths + [args.checkpoint]
+        need += 12 * n + (1 << 30)  # fp32 master + moments, the manifest and shard headers
+    else:
+        paths_and_ckpt = paths
+    free = sum(shutil.disk_usage(p).free for p in {os.stat(p).st_dev: p for p in paths_and_ckpt}.values())
     print(f"model: {n / 1e9:.2f} B parameters ({args.layers} blocks of d={args.embd}); model state "
           f"{format_bytes(16 * n)} (fp32 master + Adam moments {format_bytes(12 * n)}); RAM "
           f"{format_bytes(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))}")
-    print(f"swap: needs {format_bytes(need)} on {paths}; free {format_bytes(free)}")
+    print(f"disk: needs {format_bytes(need)} on {paths_and_ckpt} (swap files"
+          + (" plus one checkpoint" if args.checkpoint else "") + f"); free {format_bytes(free)}")
     if free < need:
-        print(f"error: not enough free disk space in {paths}: {need} bytes needed, {free} free. Free space or "
-              "pass --swap-dir on a larger disk, or fewer --layers", file=sys.stderr)
+        print(f"error: not enough free disk space in {paths_and_ckpt}: {need} bytes needed, {free} free. Free space "
+              "or pass --swap-dir/--checkpoint on a larger disk, or fewer --layers", file=sys.stderr)
         return 2
 
     config = infinity.Config(device="cpu", dtype=args.dtype, device_memory=args.device_memory,
                              host_memory=args.host_memory, offload_params="nvme", offload_optimizer="nvme",
                              swap_paths=paths, overlap="backward", prefetch_depth=2)
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
-    with infinity.init(config):
-        model = GPT(cfg)
-    t_build = time.perf_counter() - t0
-    print(f"built under infinity.init in {t_build:.1f} s; RSS {format_bytes(rss_bytes('VmRSS'))}", flush=True)
-    t0 = time.perf_counter()
-    model, opt = infinity.initialize(model, config, lr=args.lr, weight_decay=0.0)
-    print(f"initialised into the tiers in {time.perf_counter() - t0:.1f} s; RSS {format_bytes(rss_bytes('VmRSS'))},"
-          f" peak {format_bytes(rss_bytes())}", flush=True)
+    model, opt = build(cfg, config, args.lr)
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
@@ -120,9 +130,80 @@ def main() -> int:
     print(f"peak RSS {format_bytes(peak_rss)} (host budget {format_bytes(host_budget)})")
     print("bytes moved in total: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["bytes_moved"].items()))
     ok = all(torch.isfinite(torch.tensor(losses))) and final < losses[0]
-    infinity.close(model)
-    print("OK" if ok else "FAILED: loss not finite or not falling")
+    if args.checkpoint:
+        ok &= checkpoint_round_trip(args, cfg, config, model, opt, x, y, len(losses))
+    else:
+        infinity.close(model)
+    print("OK" if ok else "FAILED: " + ("loss not finite or not falling" if not args.checkpoint else
+                                        "see the lines above"))
     return 0 if ok else 1
+
+
+def build(cfg, config, lr: float):
+    """The model built under ``infinity.init`` and initialised into the tiers (seeded: every build is equal)."""
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with infinity.init(config):
+        model = GPT(cfg)
+    print(f"built under infinity.init in {time.perf_counter() - t0:.1f} s; RSS {format_bytes(rss_bytes('VmRSS'))}",
+          flush=True)
+    t0 = time.perf_counter()
+    model, opt = infinity.initialize(model, config, lr=lr, weight_decay=0.0)
+    print(f"initialised into the tiers in {time.perf_counter() - t0:.1f} s; RSS {format_bytes(rss_bytes('VmRSS'))},"
+          f" peak {format_bytes(rss_bytes())}", flush=True)
+    return model, opt
+
+
+def one_step(model, opt, x, y):
+    """(loss of one training step, loss of a forward after it): two numbers that change with any weight's bit."""
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        return loss.item(), model(x, y).item()
+
+
+def checkpoint_round_trip(args, cfg, config, model, opt, x, y, steps: int) -> bool:
+    """Save, one more step live; a new model loads the checkpoint and takes
+    the same step: bit-identical? Then consolidation to bf16 in a subprocess
+    (its peak RSS). True if every check passed."""
+    import subprocess
+    t0 = time.perf_counter()
+    path = infinity.save_checkpoint(args.checkpoint, model, opt, extra={"steps": steps})
+    t_save = time.perf_counter() - t0
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    print(f"\nsaved {path} ({format_bytes(size)}) in {t_save:.1f} s = {size / t_save / 1e9:.2f} GB/s; "
+          f"peak RSS {format_bytes(rss_bytes())}", flush=True)
+    live = one_step(model, opt, x, y)
+    infinity.close(model, keep_values=False)
+    model, opt = build(cfg, config, args.lr)
+    t0 = time.perf_counter()
+    extra = infinity.load_checkpoint(args.checkpoint, model, opt)
+    t_load = time.perf_counter() - t0
+    print(f"loaded in {t_load:.1f} s = {size / t_load / 1e9:.2f} GB/s (extra {extra}); peak RSS "
+          f"{format_bytes(rss_bytes())}", flush=True)
+    resumed = one_step(model, opt, x, y)
+    infinity.close(model, keep_values=False)
+    exact = resumed == live
+    print(f"step {steps + 1}: live loss {live[0]!r} then {live[1]!r}; resumed {resumed[0]!r} then {resumed[1]!r}: "
+          + ("bit-identical" if exact else "DIFFERENT"), flush=True)
+    out = os.path.join(args.checkpoint, "consolidated-bf16")
+    t0 = time.perf_counter()
+    # The child reports its own VmHWM: the kernel's ru_maxrss of a child counts the parent's pages at fork.
+    code = ("import sys; from infinity.checkpoint import consolidate; consolidate(sys.argv[1], sys.argv[2], "
+            "dtype='bf16'); print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
+    r = subprocess.run([sys.executable, "-c", code, str(path), out], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    child_rss = int(r.stdout.split()[-1]) * 1024 if r.returncode == 0 else 0
+    out_bytes = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)) if os.path.isdir(out) else 0
+    print(f"consolidated to bf16 ({format_bytes(out_bytes)}) in {time.perf_counter() - t0:.1f} s, exit "
+          f"{r.returncode}; its peak RSS {format_bytes(child_rss)} (target <= 1 GiB)" + (r.stderr[-500:] if
+                                                                                        r.returncode else ""))
+    peak = rss_bytes()
+    print(f"peak RSS of this process {format_bytes(peak)} (target <= 8 GiB)")
+    shutil.rmtree(args.checkpoint, ignore_errors=True)
+    return exact and r.returncode == 0 and child_rss <= 1 << 30 and peak <= 8 << 30
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ from engine_utils import batches, small_gpt, unit_bytes  # noqa: E402
 from zero_worker import _init  # noqa: E402
 
 import infinity  # noqa: E402
+from infinity.checkpoint import safetensors_io  # noqa: E402
+
+# Small chunk sums, so the small test model's tensors are read by ranges (see read_range).
+if os.environ.get("INFINITY_TEST_CHUNK_BYTES"):
+    safetensors_io.CHUNK_BYTES = int(os.environ["INFINITY_TEST_CHUNK_BYTES"])
 
 GLOBAL_BATCH = 4  # split over the ranks: the same global batch at any world size
 

@@ -2,10 +2,11 @@
 crash-safe, loadable at any world size, stage and placement. See
 docs/checkpoints.md."""
 
+from .background import AsyncCheckpoint
 from .export import consolidate, export_pretrained
 from .load import load_checkpoint, verify_checkpoint
 from .safetensors_io import CorruptCheckpointError
 from .save import CheckpointSpaceError, save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "export_pretrained", "consolidate",
-           "CorruptCheckpointError", "CheckpointSpaceError"]
+           "CorruptCheckpointError", "CheckpointSpaceError", "AsyncCheckpoint"]

@@ -22,7 +22,7 @@ import torch
 from . import layout, rng
 from .plan import Plan, plan_checkpoint
 from .direct_stream import DirectReader
-from .safetensors_io import CorruptCheckpointError, read_header, read_tensor
+from .safetensors_io import CorruptCheckpointError, read_header, read_range, read_tensor
 
 __all__ = ["load_checkpoint", "verify_checkpoint", "read_manifest"]
 
@@ -66,9 +66,11 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
             (nothing was changed then).
     """
     from ..api import engine_of
+    from .background import wait_pending
+    eng = engine_of(model)
+    wait_pending(eng)  # a background save finishes first (it may be the checkpoint asked for)
     ckpt = layout.resolve(path)
     m = read_manifest(ckpt)
-    eng = engine_of(model)
     if optimizer is not eng.optimizer:
         raise ValueError("load_checkpoint: optimizer is not the one infinity.initialize returned for this model")
     optimizer.flush()
@@ -167,6 +169,14 @@ class _Files:
             f = self._open[fname] = DirectReader(os.path.join(self.ckpt, fname))
         return read_tensor(f, os.path.join(self.ckpt, fname), rec, dtype, shape, out)
 
+    def read_range(self, rec: dict, dtype: torch.dtype, start: int, stop: int, out: torch.Tensor) -> None:
+        """Elements ``start:stop`` of a tensor into ``out``, reading only the chunks they touch."""
+        fname = rec["file"]
+        f = self._open.get(fname)
+        if f is None:
+            f = self._open[fname] = DirectReader(os.path.join(self.ckpt, fname))
+        read_range(f, os.path.join(self.ckpt, fname), rec, dtype, start, stop, out)
+
 
 def _load_unit(eng, u, plan: Plan, m: dict, files: _Files) -> None:
     """One unit's values (master or compute copy), moments and step counts."""
@@ -182,12 +192,16 @@ def _load_unit(eng, u, plan: Plan, m: dict, files: _Files) -> None:
     if not u.place.trainable:
         return
     moments = {}
+    # Each rank keeps only its shard of the moments: it reads only that range
+    # of each tensor (checked chunk by chunk; see read_range).
+    lo, hi = eng.sharding.shard(u.place.trainable_numel)
     for kind in ("exp_avg", "exp_avg_sq"):
         full = torch.zeros(u.place.trainable_numel)
         for s in u.layout.trainable_slots:
             rec = tensors.get(f"{kind}.{plan.names[id(s.param)]}")
-            if rec is not None:
-                files.read(rec, torch.float32, s.shape, out=full[s.offset:s.offset + s.numel])
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if rec is not None and a < b:
+                files.read_range(rec, torch.float32, a - s.offset, b - s.offset, full[a:b])
         moments[kind] = full
     eng.optstate.write_moments(u, moments["exp_avg"], moments["exp_avg_sq"])
     for s in u.layout.trainable_slots:

@@ -135,6 +135,7 @@ class UnitReader:
         self._units: Dict[tuple, object] = {}
         self._ahead: Optional[tuple] = None  # (key, future)
         self._pool = None
+        self.read = eng.read  # (unit, kind) -> buffer; a background save's copies what eviction could recycle
 
     def expect(self, items) -> None:
         """The order the buffers of ``items`` (a plan's item list) will be asked for."""
@@ -172,7 +173,7 @@ class UnitReader:
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinity-ckpt-state")
-        return self._pool.submit(self.eng.read, self._units[key], key[1])
+        return self._pool.submit(self.read, self._units[key], key[1])
 
     def _read_next(self, key: tuple) -> None:
         nxt = self._next.get(key)

@@ -8,7 +8,10 @@ first and the tensors follow one at a time, in the declared order, straight
 from wherever they live: the writer never holds more than the tensor it is
 given. The files stay readable by the ``safetensors`` package. Each tensor's
 CRC32C (the native one of infinity.io) is taken as it is written and kept in
-the checkpoint's manifest; the reader checks it as it reads.
+the checkpoint's manifest; the reader checks it as it reads. A tensor of more
+than ``CHUNK_BYTES`` also gets a CRC32C per chunk of that size, so a rank
+that loads only its shard of a tensor reads and checks only the chunks the
+shard touches (:func:`read_range`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 from ..io.engine import crc32c
 from .direct_stream import DirectStream
 
-__all__ = ["DTYPES", "Entry", "nbytes", "split_shards", "ShardWriter", "read_tensor", "read_header", "CorruptCheckpointError"]
+__all__ = ["DTYPES", "Entry", "nbytes", "split_shards", "ShardWriter", "read_tensor", "read_range", "read_header",
+           "CorruptCheckpointError", "CHUNK_BYTES"]
 
 DTYPES: Dict[torch.dtype, str] = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -31,6 +35,7 @@ DTYPES: Dict[torch.dtype, str] = {
 }
 _BY_NAME = {v: k for k, v in DTYPES.items()}
 ALIGN = 8  # the header is padded so the data starts 8-byte aligned
+CHUNK_BYTES = 4 << 20  # per-chunk CRC32C of larger tensors (ranged reads verify what they read)
 
 
 class CorruptCheckpointError(ValueError):
@@ -104,9 +109,14 @@ class ShardWriter:
             raise RuntimeError(f"internal: {self.path}: tensor {name!r} has {t.numel() * t.element_size()} bytes, "
                                f"{n} declared")
         crc = crc32c(t.data_ptr(), n) if n else 0
+        rec = {"name": name, "offset": self._pos, "length": n, "crc32c": crc}
+        if n > CHUNK_BYTES:
+            p = t.data_ptr()
+            rec["chunks"] = {"bytes": CHUNK_BYTES, "crc32c": [crc32c(p + o, min(CHUNK_BYTES, n - o))
+                                                              for o in range(0, n, CHUNK_BYTES)]}
         if n:
             self._f.write(t)
-        self.records.append({"name": name, "offset": self._pos, "length": n, "crc32c": crc})
+        self.records.append(rec)
         self._pos += n
         self._next += 1
 
@@ -166,6 +176,34 @@ def read_tensor(f, path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int
         raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset']} ({n} bytes): "
                                      f"CRC32C {crc:#010x}, the manifest says {rec['crc32c']:#010x} (corrupt file)")
     return t
+
+
+def read_range(f, path: str, rec: dict, dtype: torch.dtype, start: int, stop: int, out: torch.Tensor) -> None:
+    """Elements ``start:stop`` of the flat tensor of ``rec`` into ``out``
+    (that many elements), reading and checking only the chunks they touch
+    (the whole tensor where the record has no chunk sums)."""
+    es = torch.empty(0, dtype=dtype).element_size()
+    chunks = rec.get("chunks")
+    if chunks is None or (start == 0 and stop * es == rec["length"]):
+        full = read_tensor(f, path, rec, dtype, (rec["length"] // es,))
+        out.copy_(full[start:stop])
+        return
+    c = chunks["bytes"]
+    first, last = start * es // c, -(-stop * es // c)
+    lo, hi = first * c, min(last * c, rec["length"])
+    buf = torch.empty(hi - lo, dtype=torch.uint8)
+    got = f.read_into(rec["offset"] + lo, buf)
+    if got != hi - lo:
+        raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset'] + lo}: {got} of "
+                                     f"{hi - lo} bytes present (file truncated)")
+    for k in range(first, last):
+        a, b = k * c - lo, min((k + 1) * c, rec["length"]) - lo
+        crc = crc32c(buf.data_ptr() + a, b - a)
+        if crc != chunks["crc32c"][k]:
+            raise CorruptCheckpointError(
+                f"{path}: tensor {rec['name']!r}, chunk {k} at offset {rec['offset'] + lo + a} ({b - a} bytes): "
+                f"CRC32C {crc:#010x}, the manifest says {chunks['crc32c'][k]:#010x} (corrupt file)")
+    out.view(-1).copy_(buf[start * es - lo:stop * es - lo].view(dtype))
 
 
 def dtype_of(name: str) -> torch.dtype:

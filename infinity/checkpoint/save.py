@@ -22,6 +22,7 @@ rank 0 writes; each rank adds its own RNG state.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import time
@@ -57,7 +58,7 @@ class CheckpointSpaceError(OSError):
 
 def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optional[dict] = None,
                     step: Optional[int] = None, keep_last: Optional[int] = None,
-                    exclude_frozen: bool = False) -> Path:
+                    exclude_frozen: bool = False, blocking: bool = True):
     """Writes the run's state to ``path/step-<N>/`` and returns that path.
 
     Call between steps (after ``optimizer.step()``), on every rank under
@@ -68,16 +69,27 @@ def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optiona
     a frozen base). See [Note: what a checkpoint holds] and [Note: a
     checkpoint is complete or invisible].
 
+    ``blocking=False`` returns at once an :class:`AsyncCheckpoint` (its
+    ``wait()`` returns the path or raises the save's error) and writes while
+    training goes on; each unit's update waits until that unit's state is
+    written, so the checkpoint is exactly the state at this call (see
+    [Note: a background save] in background.py). One rank, ZeRO stage 0.
+
     Raises:
         CheckpointSpaceError: the filesystem lacks room (bytes named); nothing
             is left behind and training can go on.
-        UsageError: called in the middle of an accumulation window.
+        UsageError: called in the middle of an accumulation window, or
+            ``blocking=False`` under ZeRO.
         EngineFailedError: the engine failed earlier (nothing is saved).
     """
     from ..api import engine_of
+    from .background import AsyncCheckpoint, check_background_ok, wait_pending
     eng = engine_of(model)
     if optimizer is not eng.optimizer:
         raise ValueError("save_checkpoint: optimizer is not the one infinity.initialize returned for this model")
+    wait_pending(eng)
+    if not blocking:
+        check_background_ok(eng)
     optimizer.flush()
     eng.faults.check("infinity.save_checkpoint()")
     plan = plan_checkpoint(model, eng, exclude_frozen)
@@ -89,6 +101,7 @@ def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optiona
     if hf is not None and hasattr(hf, "to_json_string"):  # a Hugging Face model: consolidate writes config.json
         import json
         meta["hf_config"] = json.loads(hf.to_json_string())
+    own_rng = rng.capture()  # now: training goes on drawing numbers while a background save writes
     writer = eng.sharding.rank == 0
     partial = layout.partial_dir(root, step)
     if writer:
@@ -96,14 +109,24 @@ def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optiona
         shutil.rmtree(partial, ignore_errors=True)
         _check_space(root, plan)
         os.mkdir(partial, 0o700)
+    job = functools.partial(_finish, eng, plan, root, partial, step, meta, own_rng, keep_last)
+    if not blocking:
+        return AsyncCheckpoint.start(eng, plan, job, Path(root) / layout.step_dir_name(step))
+    return job()
+
+
+def _finish(eng, plan: Plan, root: str, partial: str, step: int, meta: dict, own_rng: dict,
+            keep_last: Optional[int], on_item: Optional[Callable] = None) -> Path:
+    """The tensors, the RNG states, then the commit; ``on_item(source)`` after each tensor."""
+    writer = eng.sharding.rank == 0
     try:
-        tensors = _write_all(eng, plan, partial if writer else None)
+        tensors = _write_all(eng, plan, partial if writer else None, on_item)
     except BaseException:
         if writer:
             shutil.rmtree(partial, ignore_errors=True)
         raise
     _barrier(eng)  # the folder exists: every rank adds its RNG state
-    meta.update(tensors=tensors, rng=_exchange_rng(eng, partial))
+    meta.update(tensors=tensors, rng=_exchange_rng(eng, partial, own_rng))
     if not writer:
         _barrier(eng)
         return Path(root) / layout.step_dir_name(step)
@@ -129,7 +152,7 @@ def _commit(root: str, partial: str, step: int, meta: dict, keep_last: Optional[
         raise _space_error(root, plan, e) from e
 
 
-def _write_all(eng, plan: Plan, folder: Optional[str]) -> Dict[str, dict]:
+def _write_all(eng, plan: Plan, folder: Optional[str], on_item: Optional[Callable] = None) -> Dict[str, dict]:
     """Streams the model and optimizer tensors into ``folder`` (None: this
     rank only takes part in the gathers); the manifest's tensor records. A
     write error stops the writing, not the reading: under ZeRO the reads are
@@ -137,7 +160,7 @@ def _write_all(eng, plan: Plan, folder: Optional[str]) -> Dict[str, dict]:
     records: Dict[str, dict] = {}
     plan.reader.expect(plan.model_items + plan.optim_items)
     try:
-        failed = _write_files(eng, plan, folder, records)
+        failed = _write_files(eng, plan, folder, records, on_item)
     finally:
         plan.reader.done()
     if eng.sharding.world > 1 and eng.sharding.sum(1.0 if failed is not None else 0.0) and failed is None:
@@ -151,7 +174,8 @@ def _write_all(eng, plan: Plan, folder: Optional[str]) -> Dict[str, dict]:
     return records
 
 
-def _write_files(eng, plan: Plan, folder: Optional[str], records: Dict[str, dict]) -> Optional[OSError]:
+def _write_files(eng, plan: Plan, folder: Optional[str], records: Dict[str, dict],
+                 on_item: Optional[Callable] = None) -> Optional[OSError]:
     """The shards' writing loop of :func:`_write_all`; the first write error, or None."""
     failed: Optional[OSError] = None
     for prefix, items in (("model", plan.model_items), ("optimizer", plan.optim_items)):
@@ -173,6 +197,8 @@ def _write_files(eng, plan: Plan, folder: Optional[str], records: Dict[str, dict
                         _at("tensor")
                     except OSError as e:
                         failed = e
+                if on_item is not None:
+                    on_item(source)
             if w is not None:
                 try:
                     if failed is None:
@@ -215,11 +241,10 @@ def _manifest_head(eng, optimizer, plan: Plan, lr_scheduler, extra, step: int, e
     }
 
 
-def _exchange_rng(eng, partial: str) -> dict:
-    """Every rank writes its RNG state into the folder; rank 0 collects them all."""
+def _exchange_rng(eng, partial: str, own: dict) -> dict:
+    """Every rank writes its RNG state (``own``) into the folder; rank 0 collects them all."""
     import json
     r = eng.sharding.global_rank
-    own = rng.capture()
     if eng.sharding.world == 1:
         return {str(r): own}
     path = os.path.join(partial, f"rng-rank{r}.json")

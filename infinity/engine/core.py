@@ -71,6 +71,8 @@ class Engine:
         for u in self.units:
             u.place = place_unit(u.layout, self.modes)
         self.param_slot = {id(s.param): (u, i) for u in self.units for i, s in enumerate(u.layout.slots)}
+        # A background checkpoint (checkpoint/background.py): its fence, and its handle until waited for.
+        self.save_fence = self.pending_save = None
         self._make_parts()
         Values(self).initialize(model)
         # See [Note: saved tensors follow their unit]; units that never move need no hooks.
@@ -145,9 +147,18 @@ class Engine:
     def after_step(self) -> None:
         """Called at the end of every optimizer step (see [Note: the default
         device budget] and [Note: memory pressure])."""
+        from ..checkpoint.background import warn_if_failed
         self.values_version += 1
         self.budget.after_step()
         self.pressure.after_step()
+        warn_if_failed(self)
+
+    def fence(self, u) -> None:
+        """Before any change of ``u``'s state: waits while a background save
+        has not written it yet (see [Note: a background save])."""
+        f = self.save_fence
+        if f is not None:
+            f.wait_unit(u)
 
     @property
     def device_budget(self) -> int:
@@ -299,6 +310,22 @@ class Engine:
         "compute") from wherever it lives (a temporary copy for NVMe homes);
         None if it has none. Collective under ZeRO: every rank calls it."""
         return self.read_compute(u) if kind == "compute" else self.optstate.read(u, kind)
+
+    def read_detached(self, u, kind: str) -> Optional[torch.Tensor]:
+        """:meth:`read` for a reader on another thread while training runs (a
+        background save; ZeRO stage 0, one rank). Updates wait for it
+        (:meth:`fence`), so homes hold still; but buffers of the host pool
+        (cached compute copies, optimizer state read ahead) may be filled,
+        evicted and reused meanwhile: a cached copy is cloned under the host
+        lock, and NVMe-homed optimizer state is read from its home."""
+        if kind == "compute" or (kind == "master" and u.place.aliased):
+            t = self.cache.read_detached(u)
+            if t is None:
+                t = self.residency.permanent_copy(u)
+            return t if kind == "compute" else t[:u.place.trainable_numel]
+        if self.modes.opt_nvme:
+            return self.optstate.read_home(u, kind) if u.place.trainable else None
+        return self.read(u, kind)
 
     def read_compute(self, u) -> Optional[torch.Tensor]:
         """``u``'s full compute copy as a CPU tensor (gathered under ZeRO-3)."""

@@ -370,6 +370,26 @@ class HostCache:
         self.nvme.read(swap_key(u.index, "compute"), out).wait()
         return out
 
+    def read_detached(self, u) -> Optional[torch.Tensor]:
+        """:meth:`read_compute` for a reader on another thread while training
+        runs (see Engine.read_detached): a copy cached in the pool is cloned
+        under the lock (once any read filling it is done), an NVMe home is
+        read into a temporary; a host home is returned as it is."""
+        h = u.host
+        with self.lock:
+            if h.compute is not None:
+                if h.buf is None:
+                    return h.compute
+                if h.busy is not None:
+                    h.busy.wait()
+                return h.compute.clone()
+            if not self.nvme_home(u):
+                return None
+            self._settle_write_back(u)
+        out = torch.empty(u.place.home_numel, dtype=self.modes.dtype)
+        self.nvme.read(swap_key(u.index, "compute"), out).wait()
+        return out
+
     def store_compute(self, u, home: torch.Tensor) -> None:
         """Writes ``home`` as ``u``'s NVMe compute copy now (values loaded
         from outside); a cached copy is then clean."""

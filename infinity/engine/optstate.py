@@ -207,12 +207,12 @@ class OptimizerState:
         if t is None and o.state is OptState.NONE:
             return None
         if t is None:
-            t = self._read_home(u, kind)
+            t = self.read_home(u, kind)
         if self.modes.zero:
             return self.sharding.all_gather(t, p.trainable_numel)
         return t
 
-    def _read_home(self, u, kind: str) -> torch.Tensor:
+    def read_home(self, u, kind: str) -> torch.Tensor:
         """A temporary copy of ``kind`` from its NVMe home (this rank's shard)."""
         p = u.place
         if kind == "master" and p.aliased:

@@ -399,8 +399,8 @@ def process_faults(ctx: Context) -> dict:
 
 
 def soak(ctx: Context) -> dict:
-    """Training for a while with deep prefetch: RSS, file descriptors and
-    threads flat after warm-up (RSS slope <= 1 MiB/min; the 20 s ``--quick``
+    """Training for a while with deep prefetch: RSS, file descriptors,
+    threads, swap-file bytes and pinned bytes flat after warm-up (RSS slope <= 1 MiB/min; the 20 s ``--quick``
     soak bounds the growth after warm-up to 4 MiB instead)."""
     seconds = 20 if ctx.quick else 60 * ctx.minutes
     mins = ctx.budgets(depth=4)
@@ -418,7 +418,9 @@ def soak(ctx: Context) -> dict:
         checks["RSS slope <= 1 MiB/min"] = slope <= (1 << 20)
     checks.update({
               "no fd growth": bool(warm) and warm[-1]["fds"] <= warm[0]["fds"],
-              "no thread growth": bool(warm) and warm[-1]["threads"] <= warm[0]["threads"]})
+              "no thread growth": bool(warm) and warm[-1]["threads"] <= warm[0]["threads"],
+              "no swap-file growth": bool(warm) and warm[-1]["swap_bytes"] <= warm[0]["swap_bytes"],
+              "no pinned-memory growth": bool(warm) and warm[-1]["pinned"] <= warm[0]["pinned"]})
     return _row("soak", checks, res, rss_slope_bytes_per_min=slope, steps=len(res.get("step_s") or []),
                 seconds=seconds, samples=s)
 

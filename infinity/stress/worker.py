@@ -60,10 +60,20 @@ def _flip_moments(eng) -> None:
             os.fsync(f.fileno())
 
 
-def _sample(samples: list) -> None:
+def _sample(samples: list, eng, job: dict) -> None:
+    """RSS, open fds, threads, swap-file bytes on disk and pinned bytes (locked pages, or the pinned pool) now."""
     from infinity import sysinfo
+    swap = 0
+    for d, _, files in os.walk(job["swap"]):
+        for f in files:
+            try:
+                swap += os.stat(os.path.join(d, f)).st_blocks * 512
+            except OSError:
+                pass
+    tier = eng.cache.tier
+    pinned = (sysinfo.locked_bytes()) + (tier.pool.capacity_bytes if tier.pinned else 0)
     samples.append({"t": time.time(), "rss": sysinfo.rss_bytes(), "fds": len(os.listdir("/proc/self/fd")),
-                    "threads": threading.active_count()})
+                    "threads": threading.active_count(), "swap_bytes": swap, "pinned": pinned})
 
 
 def _step(job, model, opt, eng, step: int) -> float:
@@ -141,7 +151,7 @@ def run(job: dict) -> dict:
                 except infinity.CheckpointSpaceError as e:  # the partial one is removed; the run goes on
                     res.setdefault("checkpoint_errors", []).append(str(e))
             if job.get("sample"):
-                _sample(res["samples"])
+                _sample(res["samples"], eng, job)
     except BaseException as e:  # noqa: BLE001 - the parent judges the error
         res["error"] = f"{type(e).__name__}: {e}"
         res["error_after_s"] = time.time()

@@ -1,0 +1,159 @@
+"""``save_checkpoint(..., blocking=False)``: a checkpoint written while training goes on.
+
+[Note: a background save]
+The save's tensors are read unit by unit from the tiers on a thread of its
+own while the next forward and backward run. The state at the call must be
+what is written, not what later updates make of it (torch.distributed.
+checkpoint's async save once wrote post-update values of CPU tensors,
+pytorch #144657). So every change of a unit's state waits, in
+:meth:`SaveFence.wait_unit`, until the save has copied all of that unit's
+tensors out (into the file's staging buffers): the optimizer's update of
+the unit (whether in ``step()`` or during backward), a write of its values
+(``load_state_dict``, an in-place write, a load), a spill to NVMe and the
+refresh of device-resident copies. Reads need no fence, but a compute copy
+cached in the host pool can be evicted and its buffer reused while the save
+holds it, so the save copies such a copy under the host lock
+(``Engine.read_detached``). Only forward and backward overlap the save: the
+first update of a unit not yet written waits for it (a unit's tensors are
+spread over the model and optimizer files, so the first update waits for
+most of the save). The fence lifts for every unit when the save ends, also
+when it fails; the error is raised by :meth:`AsyncCheckpoint.wait`, warned
+about at the next ``step()``, and raised by the next ``save_checkpoint`` or
+``load_checkpoint`` call.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..engine.faults import UsageError
+from .plan import Plan, SlotSource
+
+__all__ = ["AsyncCheckpoint", "SaveFence", "check_background_ok", "wait_pending", "warn_if_failed"]
+
+
+class SaveFence:
+    """Which units still have tensors to be written by a background save."""
+
+    def __init__(self, plan: Plan):
+        self._cv = threading.Condition()
+        self._left = Counter(src.u.index for *_, src in plan.model_items + plan.optim_items
+                             if isinstance(src, SlotSource))
+
+    def item_done(self, source) -> None:
+        """One tensor of the plan was copied out."""
+        if not isinstance(source, SlotSource):
+            return
+        with self._cv:
+            i = source.u.index
+            self._left[i] -= 1
+            if self._left[i] <= 0:
+                del self._left[i]
+                self._cv.notify_all()
+
+    def lift(self) -> None:
+        """The save ended (done or failed): nothing waits any more."""
+        with self._cv:
+            self._left.clear()
+            self._cv.notify_all()
+
+    def wait_unit(self, u) -> None:
+        """Blocks until every tensor of unit ``u`` has been written."""
+        with self._cv:
+            while u.index in self._left:
+                self._cv.wait()
+
+
+class AsyncCheckpoint:
+    """A checkpoint being written in the background (see [Note: a background save]).
+
+    ``path`` is where it will be once complete; :meth:`wait` returns it, or
+    raises the save's error (a full disk: :class:`CheckpointSpaceError`, the
+    partial checkpoint removed and earlier ones intact)."""
+
+    def __init__(self, eng, path: Path):
+        self.path = path
+        self._eng = eng
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self.reported = False  # the error reached the user (wait, or a later call raised it)
+
+    @classmethod
+    def start(cls, eng, plan: Plan, job: Callable, path: Path) -> "AsyncCheckpoint":
+        """Starts ``job(on_item)`` (save.py's writing) on its own thread, with the engine's fence up."""
+        self = cls(eng, path)
+        fence = SaveFence(plan)
+        plan.reader.read = eng.read_detached
+        eng.save_fence, eng.pending_save = fence, self
+
+        def run() -> None:
+            try:
+                job(fence.item_done)
+            except BaseException as e:  # noqa: BLE001 - handed to wait() and the next calls
+                self._error = e
+            finally:
+                fence.lift()
+                if eng.save_fence is fence:
+                    eng.save_fence = None
+                self._done.set()
+
+        threading.Thread(target=run, name="infinity-ckpt-save", daemon=True).start()
+        return self
+
+    def done(self) -> bool:
+        """True once the save finished (complete or failed)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> Path:
+        """Waits for the save (at most ``timeout`` seconds); returns the
+        checkpoint's path or raises its error (TimeoutError if not done)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save_checkpoint(blocking=False) of {self.path} still writing after {timeout} s")
+        if self._eng.pending_save is self:
+            self._eng.pending_save = None
+        if self._error is not None:
+            self.reported = True
+            raise self._error
+        return self.path
+
+    def __repr__(self) -> str:
+        state = "writing" if not self.done() else ("failed" if self._error is not None else "complete")
+        return f"AsyncCheckpoint({str(self.path)!r}, {state})"
+
+
+def wait_pending(eng) -> None:
+    """Waits for a background save still writing; raises its error unless
+    the user saw it already."""
+    pending = getattr(eng, "pending_save", None)
+    if pending is None:
+        return
+    seen = pending.reported
+    try:
+        pending.wait()
+    except BaseException:
+        eng.pending_save = None
+        if not seen:
+            raise
+
+
+def warn_if_failed(eng) -> None:
+    """At a step: a background save that failed and was never waited for is said once."""
+    pending = getattr(eng, "pending_save", None)
+    if pending is not None and pending.done() and pending._error is not None and not pending.reported:
+        pending.reported = True
+        eng.pending_save = None
+        warnings.warn(f"infinity: the background checkpoint {str(pending.path)!r} failed and was not saved: "
+                      f"{type(pending._error).__name__}: {pending._error}. Earlier checkpoints are intact; "
+                      "training goes on", RuntimeWarning, stacklevel=3)
+
+
+def check_background_ok(eng) -> None:
+    """``blocking=False`` needs one rank at ZeRO stage 0: elsewhere the reads are collectives."""
+    if eng.sharding.world > 1 or eng.modes.zero:
+        raise UsageError("save_checkpoint(blocking=False): a background save runs on one rank at ZeRO stage 0 "
+                         f"(this run: {eng.sharding.world} ranks, stage {eng.modes.zero}); under ZeRO its reads are "
+                         "collectives that must keep the training's order. Use blocking=True")

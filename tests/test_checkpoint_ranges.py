@@ -1,0 +1,71 @@
+"""Ranged reads of checkpoint tensors (issue 19): a rank loading only its
+shard reads the chunks the shard touches and checks each chunk's CRC32C;
+a flipped byte in a chunk it reads is a named error, one outside its range
+is not its concern (verify_checkpoint still finds it)."""
+
+import os
+
+import pytest
+import torch
+
+from infinity.checkpoint import safetensors_io as sio
+from infinity.checkpoint.direct_stream import DirectReader
+
+
+@pytest.fixture
+def shard(tmp_path, monkeypatch):
+    monkeypatch.setattr(sio, "CHUNK_BYTES", 4096)
+    t = torch.randn(10_000)  # 40,000 bytes: 10 chunks of 4 KiB
+    small = torch.randn(100)
+    path = str(tmp_path / "x.safetensors")
+    w = sio.ShardWriter(path, [("small", torch.float32, (100,)), ("t", torch.float32, (10_000,))])
+    w.write("small", small)
+    w.write("t", t)
+    w.close()
+    recs = {r["name"]: r for r in w.records}
+    return path, recs, t, small
+
+
+def _read(path, rec, start, stop):
+    out = torch.empty(stop - start)
+    f = DirectReader(path)
+    try:
+        sio.read_range(f, path, rec, torch.float32, start, stop, out)
+    finally:
+        f.close()
+    return out
+
+
+def test_ranges_across_chunk_boundaries_equal_the_tensor(shard):
+    path, recs, t, small = shard
+    assert len(recs["t"]["chunks"]["crc32c"]) == 10 and "chunks" not in recs["small"]
+    for a, b in ((0, 10_000), (0, 1), (1023, 1025), (2500, 7501), (9_999, 10_000), (4096, 8192)):
+        assert torch.equal(_read(path, recs["t"], a, b), t[a:b]), (a, b)
+    assert torch.equal(_read(path, recs["small"], 10, 20), small[10:20])  # no chunks: the whole tensor, checked
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_a_flipped_byte_in_a_chunk_read_is_named_and_one_outside_is_not_read(shard):
+    path, recs, t, _ = shard
+    rec = recs["t"]
+    _flip(path, rec["offset"] + 2 * 4096 + 17)  # in chunk 2
+    assert torch.equal(_read(path, rec, 0, 1024), t[:1024])  # chunk 0 only: not its concern
+    with pytest.raises(sio.CorruptCheckpointError, match=r"tensor 't', chunk 2 at offset \d+ \(4096 bytes\)"):
+        _read(path, rec, 2000, 2100)  # elements 2000-2100: bytes 8000-8400, chunks 1 and 2
+    with pytest.raises(sio.CorruptCheckpointError, match="CRC32C"):
+        _read(path, rec, 0, 10_000)  # the whole tensor: its own sum
+
+
+def test_a_truncated_file_is_named_on_a_ranged_read(shard):
+    path, recs, _, _ = shard
+    rec = recs["t"]
+    os.truncate(path, rec["offset"] + 5 * 4096)
+    with pytest.raises(sio.CorruptCheckpointError, match="file truncated"):
+        _read(path, rec, 8000, 9000)
