@@ -285,8 +285,10 @@ def _finish_background_save(eng) -> None:
 
 def close(model: nn.Module, *, keep_values: bool = True) -> None:
     """Releases ``model``'s engine: stops its threads, removes its swap files
-    and its lock. Always tears down, also after a fault (errors met on the way
-    are warned about, not raised); safe to call again.
+    and its lock, and gives its host pool and device arena back at once (also
+    while the optimizer is still referenced). Always tears down, also after a
+    fault (errors met on the way are warned about, not raised); safe to call
+    again. A background checkpoint still writing is finished first.
 
     With ``keep_values`` (the default) the model is an ordinary model after
     this: every parameter holds its final value as an fp32 CPU tensor (the

@@ -120,6 +120,16 @@ def locked_bytes() -> int:
     return _kib_field("/proc/self/status", "VmLck") or 0
 
 
+def trim_heap() -> None:
+    """Hands the C heap's free memory back to the OS (glibc ``malloc_trim``;
+    a no-op elsewhere): the allocator keeps what large temporaries freed."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
 def reset_peak_rss() -> None:
     """Resets the kernel's peak mark (VmHWM), so it covers only what follows (Linux)."""
     try:

@@ -65,8 +65,9 @@ def test_state_read_ahead_next_two_trainable_then_the_root():
 TABLES = {
     "device": (DeviceState, [("ABSENT", "FETCHING"), ("FETCHING", "RESIDENT"), ("FETCHING", "ABSENT"),
                              ("RESIDENT", "ABSENT")]),
-    "host": (CacheState, [("NONE", "CLEAN"), ("NONE", "HOME"), ("CLEAN", "DIRTY"), ("CLEAN", "NONE"),
-                          ("DIRTY", "CLEAN"), ("DIRTY", "WRITING_BACK"), ("WRITING_BACK", "NONE")]),
+    "host": (CacheState, [("NONE", "CLEAN"), ("NONE", "HOME"), ("HOME", "NONE"), ("CLEAN", "DIRTY"),
+                          ("CLEAN", "NONE"), ("CLEAN", "HOME"), ("DIRTY", "CLEAN"), ("DIRTY", "WRITING_BACK"),
+                          ("DIRTY", "HOME"), ("WRITING_BACK", "NONE")]),
     "optimizer state": (OptState, [("NONE", "RESIDENT"), ("NONE", "HOME"), ("HOME", "READING_AHEAD"),
                                    ("HOME", "CHECKED_OUT"), ("READING_AHEAD", "CHECKED_OUT"),
                                    ("READING_AHEAD", "HOME"), ("CHECKED_OUT", "HOME")]),

@@ -69,3 +69,30 @@ def test_a_thousand_steps_leak_no_fds_swap_bytes_threads_heap_or_rss(tmp_path):
     slope = _slope(steps, rss)
     assert slope < RSS_SLOPE_BYTES_PER_STEP, f"RSS grows {slope:.0f} B/step: {rss}"
     assert _fds() < fds[0], "close() gives back the run's fds"
+
+
+def test_close_gives_the_memory_back_while_the_optimizer_is_still_held(tmp_path):
+    """A run that closes and initializes again in one process needs room for
+    one run: after close the tiers' RAM is returned even though the caller
+    still holds the optimizer (which references the engine)."""
+    import gc
+
+    from infinity import sysinfo
+    gc.collect()
+    before = sysinfo.rss_bytes()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])  # 16.8 M parameters
+    cfg = infinity.Config(device="cpu", dtype="fp32", offload_params="host", offload_optimizer="host",
+                          device_memory="32MiB", host_memory="512MiB", swap_paths=[str(tmp_path)],
+                          unit_classes=[torch.nn.Linear])
+    m, o = infinity.initialize(net, cfg, lr=1e-3)
+    m(torch.randn(4, 1024)).sum().backward()
+    o.step()
+    o.zero_grad()
+    during = sysinfo.rss_bytes()
+    infinity.close(m, keep_values=False)
+    gc.collect()
+    after = sysinfo.rss_bytes()
+    assert during - before > 200 << 20, (before, during)  # the tiers held ~270 MB of state
+    assert after - before < 64 << 20, (before, during, after)
+    assert o.engine.closed

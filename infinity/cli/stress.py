@@ -34,16 +34,23 @@ def add_parser(sub: Any) -> None:
 
 
 def _table(rows: List[dict]) -> str:
+    """One line per scenario (result, step time p50/p95, resumed exactly, RSS growth, peaks against budgets,
+    the first error), then each check and the notes."""
     from ..config import format_bytes
-    lines = [f"{'SCENARIO':34}{'RESULT':8}{'p50 s':>8}{'p95 s':>8}  PEAK/BUDGET (device, host)   FIRST ERROR"]
+    lines = [f"{'SCENARIO':24}{'RESULT':8}{'p50 s':>7}{'p95 s':>7} {'RESUMED':8}{'LEAK':>13}  "
+             "PEAK/BUDGET (device, host)   FIRST ERROR"]
     for r in rows:
         p, b = r.get("peaks") or {}, r.get("budgets") or {}
         tiers = ", ".join(f"{format_bytes(p[t])}/{format_bytes(b[t])}" for t in ("device", "host") if p.get(t)
                           and b.get(t))
         p50 = f"{r['p50_s']:.3f}" if r.get("p50_s") else "-"
         p95 = f"{r['p95_s']:.3f}" if r.get("p95_s") else "-"
-        err = (r.get("first_error") or "-").split("\n")[0][:70]
-        lines.append(f"{r['name']:34}{'PASS' if r['passed'] else 'FAIL':8}{p50:>8}{p95:>8}  {tiers:28} {err}")
+        resumed = {True: "exact", False: "NOT"}.get(r.get("resumed_exactly"), "-")
+        slope = r.get("rss_slope_bytes_per_min")
+        leak = f"{slope / 2**20:+.2f}MiB/min" if slope is not None else "-"
+        err = (r.get("first_error") or "-").split("\n")[0][:60]
+        lines.append(f"{r['name']:24}{'PASS' if r['passed'] else 'FAIL':8}{p50:>7}{p95:>7} {resumed:8}{leak:>13}  "
+                     f"{tiers:28} {err}")
         for what, ok in r["checks"].items():
             lines.append(f"    {'ok  ' if ok else 'FAIL'} {what}")
         if r.get("notes"):

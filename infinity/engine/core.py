@@ -383,6 +383,16 @@ class Engine:
         if problems and not self.faults.failed:
             warnings.warn("infinity.close: teardown met errors (the swap files are scratch, nothing saved was "
                           "lost): " + "; ".join(problems), RuntimeWarning, stacklevel=3)
+        self._drop_buffers()
+
+    def _drop_buffers(self) -> None:
+        """Forgets every tensor of the tiers, so memory goes back at close even
+        while the caller keeps the optimizer (which references the engine):
+        a run that closes and initializes again in one process needs room for one."""
+        for owner in (self.cache, self.residency, self.optstate, self.gradients, self.saved):
+            if owner is not None:
+                owner.drop_buffers()
+        sysinfo.trim_heap()
 
     def _settle_collectives(self, timeout_s: float = 30.0) -> None:
         """Waits (at most ``timeout_s`` seconds each) for collectives still in

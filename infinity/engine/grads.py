@@ -64,6 +64,11 @@ class Gradients:
         for u in units:
             u.grads = GradRecord(written=[False] * len(u.layout.trainable_slots))
 
+    def drop_buffers(self) -> None:
+        """After teardown: forgets every unit's gradient buffers (see Engine._drop_buffers)."""
+        for u in self.units:
+            u.grads = GradRecord(written=[False] * len(u.layout.trainable_slots))
+
     # -- buffers kept for good ----------------------------------------------------------
 
     def set_permanent(self, u, grad: Optional[torch.Tensor], next_grad=None, shard=None) -> None:

@@ -366,6 +366,10 @@ class HostCache:
         if not self.nvme_home(u):
             return None
         self._settle_write_back(u)
+        return self._read_nvme_home(u)
+
+    def _read_nvme_home(self, u) -> torch.Tensor:
+        """A temporary copy of ``u``'s NVMe compute copy (no write of it in flight)."""
         out = torch.empty(u.place.home_numel, dtype=self.modes.dtype)
         self.nvme.read(swap_key(u.index, "compute"), out).wait()
         return out
@@ -386,9 +390,7 @@ class HostCache:
             if not self.nvme_home(u):
                 return None
             self._settle_write_back(u)
-        out = torch.empty(u.place.home_numel, dtype=self.modes.dtype)
-        self.nvme.read(swap_key(u.index, "compute"), out).wait()
-        return out
+        return self._read_nvme_home(u)
 
     def store_compute(self, u, home: torch.Tensor) -> None:
         """Writes ``home`` as ``u``'s NVMe compute copy now (values loaded
@@ -475,3 +477,8 @@ class HostCache:
     def forget_transfers(self) -> None:
         for u in self.units:
             u.host.busy = None
+
+    def drop_buffers(self) -> None:
+        """After teardown: forgets every unit's host buffers (see Engine._drop_buffers)."""
+        for u in self.units:
+            u.host = HostRecord()

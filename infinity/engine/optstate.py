@@ -46,6 +46,11 @@ class OptimizerState:
         for u in units:
             u.opt = OptRecord()
 
+    def drop_buffers(self) -> None:
+        """After teardown: forgets every unit's optimizer-state buffers (see Engine._drop_buffers)."""
+        for u in self.units:
+            u.opt = OptRecord()
+
     # -- placement ------------------------------------------------------------------------
 
     def set_resident(self, u, master, exp_avg, exp_avg_sq) -> None:

@@ -429,6 +429,13 @@ class Residency:
         clock = getattr(self.mover, "stall_clock", None)
         return clock.seconds() if clock is not None else self.stats.stall_seconds
 
+    def drop_buffers(self) -> None:
+        """After teardown: forgets every unit's device copy and the arena (see Engine._drop_buffers)."""
+        for u in self.units:
+            u.dev = DeviceRecord()
+        if self.tier is not None:
+            self.tier.arena = None
+
     def drop_in_flight(self) -> None:
         """Teardown: forgets fetch tickets still held (see Engine.close)."""
         for u in self.units:

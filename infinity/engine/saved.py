@@ -92,6 +92,10 @@ class SavedTensorRouter:
         self._arena = arena
         self._views: Dict[torch.dtype, torch.Tensor] = {}
 
+    def drop_buffers(self) -> None:
+        """After teardown: forgets the arena and its views (see Engine._drop_buffers)."""
+        self._arena, self._views = None, {}
+
     # -- context --------------------------------------------------------------------
 
     def push(self) -> bool:

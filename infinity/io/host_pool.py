@@ -214,7 +214,12 @@ class _Mapping:
         try:
             mm.close()
         except BufferError:
-            pass  # views still alive: the memoryview unmaps when the last goes (already unlocked)
+            # Views still alive: the memoryview unmaps when the last goes (already
+            # unlocked). Its pages go back to the OS now; a late read sees zeros.
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (AttributeError, OSError, ValueError):
+                pass
 
 
 class PoolBuffer:
