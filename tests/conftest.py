@@ -6,8 +6,14 @@ import infinity
 
 @pytest.fixture(autouse=True)
 def _seed():
+    """Every test starts seeded and with torch's thread count as it found it:
+    a test that sets threads (``infinity train``'s ``torch_threads``) must not
+    change the rounding of the tests after it."""
+    threads = torch.get_num_threads()
     torch.manual_seed(0)
     yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def simd_params():

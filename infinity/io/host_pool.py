@@ -214,12 +214,7 @@ class _Mapping:
         try:
             mm.close()
         except BufferError:
-            # Views still alive: the memoryview unmaps when the last goes (already
-            # unlocked). Its pages go back to the OS now; a late read sees zeros.
-            try:
-                mm.madvise(mmap.MADV_DONTNEED)
-            except (AttributeError, OSError, ValueError):
-                pass
+            pass  # views still alive: the memoryview unmaps when the last goes (already unlocked)
 
 
 class PoolBuffer:
