@@ -138,3 +138,32 @@ def test_background_save_is_refused_under_zero(tmp_path):
         infinity.close(m)
     finally:
         dist.destroy_process_group()
+
+
+class CountingChain(torch.nn.Module):
+    """A model whose buffer changes in every forward (as BatchNorm's running statistics do)."""
+
+    def __init__(self):
+        super().__init__()
+        from test_checkpoint import model
+        self.net = model()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x, y):
+        self.seen += 1
+        return self.net(x, y)
+
+
+def test_buffers_changed_by_forward_are_saved_as_at_the_call(tmp_path, monkeypatch):
+    from paging_zoo import base_config
+    _slow_writes(monkeypatch)
+    cfg = infinity.Config(**base_config(offload_params="host", offload_optimizer="host", device_memory=1 << 20,
+                                        swap_paths=[str(tmp_path / "swap")]))
+    m, o = infinity.initialize(CountingChain(), cfg, lr=1e-2)
+    train(m, o, None, data(2))
+    pending = infinity.save_checkpoint(tmp_path / "ck", m, o, blocking=False)
+    train(m, o, None, data(3)[2:])
+    path = pending.wait()
+    assert float(m.seen) == 3.0
+    assert float(load_file(os.path.join(path, "model-00001-of-00001.safetensors"))["seen"]) == 2.0
+    infinity.close(m)

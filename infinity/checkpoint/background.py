@@ -10,7 +10,8 @@ pytorch #144657). So every change of a unit's state waits, in
 tensors out (into the file's staging buffers): the optimizer's update of
 the unit (whether in ``step()`` or during backward), a write of its values
 (``load_state_dict``, an in-place write, a load), a spill to NVMe and the
-refresh of device-resident copies. Reads need no fence, but a compute copy
+refresh of device-resident copies. Buffers, which forward may change
+(BatchNorm's running statistics), are copied at the call. Reads need no fence, but a compute copy
 cached in the host pool can be evicted and its buffer reused while the save
 holds it, so the save copies such a copy under the host lock
 (``Engine.read_detached``). Only forward and backward overlap the save: the
@@ -86,6 +87,9 @@ class AsyncCheckpoint:
     def start(cls, eng, plan: Plan, job: Callable, path: Path) -> "AsyncCheckpoint":
         """Starts ``job(on_item)`` (save.py's writing) on its own thread, with the engine's fence up."""
         self = cls(eng, path)
+        # Buffers (BatchNorm's running statistics) change in forward, where no
+        # fence is: they are copied now, at the call.
+        plan.model_items = [item if isinstance(item[3], SlotSource) else _taken_now(item) for item in plan.model_items]
         fence = SaveFence(plan)
         plan.reader.read = eng.read_detached
         eng.save_fence, eng.pending_save = fence, self
@@ -123,6 +127,13 @@ class AsyncCheckpoint:
     def __repr__(self) -> str:
         state = "writing" if not self.done() else ("failed" if self._error is not None else "complete")
         return f"AsyncCheckpoint({str(self.path)!r}, {state})"
+
+
+def _taken_now(item):
+    """``item`` (a plan entry) with its tensor copied now."""
+    name, dtype, shape, source = item
+    copy = source().detach().clone()
+    return name, dtype, shape, lambda: copy
 
 
 def wait_pending(eng) -> None:
