@@ -177,6 +177,8 @@ def checkpoint_round_trip(args, cfg, config, model, opt, x, y, steps: int) -> bo
           f"peak RSS {format_bytes(rss_bytes())}", flush=True)
     live = one_step(model, opt, x, y)
     infinity.close(model, keep_values=False)
+    del model, opt
+    print(f"closed the run; RSS {format_bytes(rss_bytes('VmRSS'))}", flush=True)
     model, opt = build(cfg, config, args.lr)
     t0 = time.perf_counter()
     extra = infinity.load_checkpoint(args.checkpoint, model, opt)

@@ -46,7 +46,9 @@ def _run_case(rank, world, case, out_dir, which, k) -> None:
     model, opt = infinity.initialize(small_gpt(), cfg, lr=1e-3, weight_decay=0.1)
     data = batches(2 * k, seed=0, b=GLOBAL_BATCH)
     ck = os.path.join(out_dir, f"ck-{name}")
+    read = _count_reads()
     start = infinity.load_checkpoint(ck, model, opt)["next"] if which == "rest" else 0
+    read_bytes, total = read[0], _checkpoint_bytes(ck) if which == "rest" else 0
     end = k if which == "first" else 2 * k
     losses = []
     for step in range(start, end):
@@ -63,8 +65,30 @@ def _run_case(rank, world, case, out_dir, which, k) -> None:
         infinity.save_checkpoint(ck, model, opt, extra={"next": k})
     full = infinity.full_state_dict(model)  # collective
     if rank == 0:
-        torch.save({"losses": losses, "state": full}, os.path.join(out_dir, f"{name}-{which}.pt"))
+        torch.save({"losses": losses, "state": full, "read_bytes": read_bytes, "checkpoint_bytes": total},
+                   os.path.join(out_dir, f"{name}-{which}.pt"))
     infinity.close(model)
+
+
+def _count_reads() -> list:
+    """From now on, the tensor bytes this rank reads from checkpoints ([0])."""
+    from infinity.checkpoint.direct_stream import DirectReader
+    count = [0]
+    orig = getattr(DirectReader.read_into, "__wrapped__", DirectReader.read_into)
+
+    def read_into(self, offset, dst):
+        got = orig(self, offset, dst)
+        count[0] += got
+        return got
+    read_into.__wrapped__ = orig
+    DirectReader.read_into = read_into
+    return count
+
+
+def _checkpoint_bytes(ck: str) -> int:
+    from infinity.checkpoint import layout
+    path = layout.resolve(ck)
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
 def state_dict_phase(rank: int, world: int, rdzv: str, stages: list, out_dir: str) -> None:

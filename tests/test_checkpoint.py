@@ -88,6 +88,15 @@ def test_resume_is_bit_exact_across_placements(tmp_path, params, opt, overlap):
     resume_matches(tmp_path, params=params, opt=opt, overlap=overlap)
 
 
+@pytest.mark.parametrize("params,opt", [("nvme", "nvme"), ("host", "host"), ("host", "nvme")])
+def test_resume_is_bit_exact_when_units_are_loaded_one_at_a_time(tmp_path, monkeypatch, params, opt):
+    """Units larger than unit_loads.AHEAD_BYTES are read in turn, values and
+    each moment through one shared buffer ([Note: staged unit loads])."""
+    from infinity.checkpoint import unit_loads
+    monkeypatch.setattr(unit_loads, "AHEAD_BYTES", 0)
+    resume_matches(tmp_path, params=params, opt=opt, dtype="bf16")
+
+
 @pytest.mark.parametrize("kw", [
     {"dtype": "bf16", "params": "nvme", "opt": "nvme", "overlap": "backward"},
     {"dtype": "bf16", "params": "host", "opt": "host"},

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from infinity.checkpoint import safetensors_io as sio
+from infinity.checkpoint.chunk_sums import chunk_sums
 from infinity.checkpoint.direct_stream import DirectReader
+from infinity.io.engine import crc32c
 
 
 @pytest.fixture
@@ -69,3 +71,28 @@ def test_a_truncated_file_is_named_on_a_ranged_read(shard):
     os.truncate(path, rec["offset"] + 5 * 4096)
     with pytest.raises(sio.CorruptCheckpointError, match="file truncated"):
         _read(path, rec, 8000, 9000)
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 40_000, (4 << 20) + 3])
+def test_the_whole_sum_combined_from_chunk_sums_equals_one_pass(n):
+    b = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    full, sums = chunk_sums(b.data_ptr(), n, 4096)
+    assert full == crc32c(b.data_ptr(), n)
+    assert sums == [crc32c(b.data_ptr() + o, min(4096, n - o)) for o in range(0, n, 4096)]
+
+
+def test_a_whole_read_checks_every_chunk_and_the_manifest_whole_sum(shard):
+    path, recs, t, _ = shard
+    rec = dict(recs["t"])
+    assert rec["crc32c"] == crc32c(t.data_ptr(), 40_000)
+    _flip(path, rec["offset"] + 9 * 4096 + 1)  # the last, short chunk
+    with pytest.raises(sio.CorruptCheckpointError, match=r"chunk 9 at offset"):
+        _read(path, rec, 0, 10_000)
+    _flip(path, rec["offset"] + 9 * 4096 + 1)  # back
+    assert torch.equal(_read(path, rec, 0, 10_000), t)
+    bad = dict(rec, crc32c=rec["crc32c"] ^ 1)  # a manifest whose whole sum disagrees with its chunks
+    with pytest.raises(sio.CorruptCheckpointError, match="CRC32C"):
+        _read(path, bad, 0, 10_000)
+    short = dict(rec, chunks={"bytes": 4096, "crc32c": rec["chunks"]["crc32c"][:-1]})
+    with pytest.raises(sio.CorruptCheckpointError, match="chunk"):
+        _read(path, short, 0, 10_000)

@@ -37,6 +37,12 @@ def test_two_ranks_every_stage_resume_bit_exactly(tmp_path, monkeypatch):
         assert first["losses"] + rest["losses"] == full["losses"], case
         for k, v in full["state"].items():
             assert torch.equal(rest["state"][k], v), (case, k)
+    # ZeRO-3 on 2 ranks: a rank reads its shard's ranges of the weights and the moments, about half the
+    # checkpoint (plus the chunks at the shard's edges and the tensors too small to have chunks).
+    s3 = _load(tmp_path, "s3", "rest")
+    assert 0 < s3["read_bytes"] < 0.65 * s3["checkpoint_bytes"], s3["read_bytes"] / s3["checkpoint_bytes"]
+    s0 = _load(tmp_path, "s0", "rest")
+    assert s0["read_bytes"] > 0.9 * s0["checkpoint_bytes"]  # stage 0 keeps everything: it reads everything
 
 
 def _close(a, b, rtol=1e-6):

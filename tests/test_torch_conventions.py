@@ -188,8 +188,14 @@ def test_extra_backward_with_backward_overlap_raises(tmp_path):
     batches = data(3)
     for x, y in batches[:2]:
         m(x, y).backward()
-    with pytest.raises(UsageError, match="grad_accumulation_steps=2"):
-        m(*batches[2]).backward()
+    # The window's last backward started the updates: a forward now would use half-updated parameters
+    # (it raced them: autograd saw a parameter change under it), so the forward itself is refused.
+    with pytest.raises(UsageError, match=r"forward before optimizer.step\(\).*grad_accumulation_steps=2"):
+        m(*batches[2])
+    o.step()
+    o.zero_grad()
+    m(*batches[2]).backward()  # and after step() training goes on
+    o.step()
     infinity.close(m)
 
 

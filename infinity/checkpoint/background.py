@@ -14,10 +14,11 @@ refresh of device-resident copies. Buffers, which forward may change
 (BatchNorm's running statistics), are copied at the call. Reads need no fence, but a compute copy
 cached in the host pool can be evicted and its buffer reused while the save
 holds it, so the save copies such a copy under the host lock
-(``Engine.read_detached``). Only forward and backward overlap the save: the
-first update of a unit not yet written waits for it (a unit's tensors are
-spread over the model and optimizer files, so the first update waits for
-most of the save). The fence lifts for every unit when the save ends, also
+(``Engine.read_detached``). Forward and backward overlap the save; an
+update of a unit not yet written waits for it. The save writes unit by unit
+in the order the updates come, each unit's weights and moments together
+(``Plan.stream``), so the first update waits for about one unit's share of
+the save, and none if the forward gave the save time to pass it. The fence lifts for every unit when the save ends, also
 when it fails; the error is raised by :meth:`AsyncCheckpoint.wait`, warned
 about at the next ``step()``, and raised by the next ``save_checkpoint`` or
 ``load_checkpoint`` call.

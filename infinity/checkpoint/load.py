@@ -23,6 +23,7 @@ from . import layout, rng
 from .plan import Plan, plan_checkpoint
 from .direct_stream import DirectReader
 from .safetensors_io import CorruptCheckpointError, read_header, read_range, read_tensor
+from .unit_loads import UnitLoads
 
 __all__ = ["load_checkpoint", "verify_checkpoint", "read_manifest"]
 
@@ -81,8 +82,10 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
     _check_groups(m, plan, optimizer, strict)
     _check_files(ckpt, m)
     with eng.faults.guard(f"infinity.load_checkpoint({ckpt!r})"), _Files(ckpt) as files:
-        for u in eng.units:
-            _load_unit(eng, u, plan, m, files)
+        with UnitLoads(eng, plan, m, files) as loads:  # [Note: staged unit loads]
+            for staged in loads:
+                loads.scratch.reset()
+                _write_unit(eng, staged, plan, m, loads.scratch)
         for key, b in plan.buffers.items():
             rec = m["tensors"].get(key)
             if rec is not None:
@@ -178,32 +181,15 @@ class _Files:
         read_range(f, os.path.join(self.ckpt, fname), rec, dtype, start, stop, out)
 
 
-def _load_unit(eng, u, plan: Plan, m: dict, files: _Files) -> None:
-    """One unit's values (master or compute copy), moments and step counts."""
-    tensors, steps = m["tensors"], m.get("param_steps", {})
-    values = {}
-    for i, s in enumerate(u.layout.slots):
-        rec = tensors.get(plan.names[id(s.param)])
-        if rec is not None:
-            values[i] = files.read(rec, _dtype(rec), s.shape)
-    if values:
-        eng.write_unit_values(u, values)
-    del values
+def _write_unit(eng, staged, plan: Plan, m: dict, scratch) -> None:
+    """One unit's values (master or compute copy), moments and step counts into its tiers."""
+    u = staged.u
+    if staged.values:
+        eng.write_unit_values(u, staged.values, scratch)
     if not u.place.trainable:
         return
-    moments = {}
-    # Each rank keeps only its shard of the moments: it reads only that range
-    # of each tensor (checked chunk by chunk; see read_range).
-    lo, hi = eng.sharding.shard(u.place.trainable_numel)
-    for kind in ("exp_avg", "exp_avg_sq"):
-        full = torch.zeros(u.place.trainable_numel)
-        for s in u.layout.trainable_slots:
-            rec = tensors.get(f"{kind}.{plan.names[id(s.param)]}")
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if rec is not None and a < b:
-                files.read_range(rec, torch.float32, a - s.offset, b - s.offset, full[a:b])
-        moments[kind] = full
-    eng.optstate.write_moments(u, moments["exp_avg"], moments["exp_avg_sq"])
+    eng.optstate.write_moments_from(u, staged.moment)
+    steps = m.get("param_steps", {})
     for s in u.layout.trainable_slots:
         s.step = int(steps.get(plan.names[id(s.param)], s.step))
 

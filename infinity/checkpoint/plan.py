@@ -45,6 +45,28 @@ class Plan:
         """The largest Adam step count of any parameter (0 before the first step)."""
         return max((s.step for u in self.eng.units for s in u.layout.trainable_slots), default=0)
 
+    def stream(self) -> List[Tuple[str, Item]]:
+        """Every item as ("model" | "optimizer", item), in the order a save
+        writes them: unit by unit, each unit's weights then its moments (its
+        tensors are spread over the two files but written together, so a
+        background save releases a unit soon: [Note: a background save]), in
+        the order the units' updates come (last unit first with
+        overlap="backward"); the buffers last. Each file holds its tensors
+        in this order."""
+        rank = {u.index: k for k, u in enumerate(self.update_order())}
+
+        def key(item: Item) -> int:
+            src = item[3]
+            return rank[src.u.index] if isinstance(src, SlotSource) else len(rank)
+        tagged = [(key(it), 0, k, "model", it) for k, it in enumerate(self.model_items)]
+        tagged += [(key(it), 1, k, "optimizer", it) for k, it in enumerate(self.optim_items)]
+        return [(prefix, it) for *_, prefix, it in sorted(tagged, key=lambda t: t[:3])]
+
+    def update_order(self) -> list:
+        """The units in the order the optimizer updates them."""
+        units = list(self.eng.units)
+        return units[::-1] if self.eng.config.overlap == "backward" else units
+
     def param_steps(self) -> Dict[str, int]:
         return {self.names[id(s.param)]: int(s.step) for u in self.eng.units for s in u.layout.trainable_slots}
 

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..io.engine import crc32c
+from .chunk_sums import chunk_sums, crc32c_combine
 from .direct_stream import DirectStream
 
 __all__ = ["DTYPES", "Entry", "nbytes", "split_shards", "ShardWriter", "read_tensor", "read_range", "read_header",
@@ -108,12 +109,10 @@ class ShardWriter:
         if t.numel() * t.element_size() != n:
             raise RuntimeError(f"internal: {self.path}: tensor {name!r} has {t.numel() * t.element_size()} bytes, "
                                f"{n} declared")
-        crc = crc32c(t.data_ptr(), n) if n else 0
+        crc, sums = chunk_sums(t.data_ptr(), n, CHUNK_BYTES) if n else (0, [])
         rec = {"name": name, "offset": self._pos, "length": n, "crc32c": crc}
         if n > CHUNK_BYTES:
-            p = t.data_ptr()
-            rec["chunks"] = {"bytes": CHUNK_BYTES, "crc32c": [crc32c(p + o, min(CHUNK_BYTES, n - o))
-                                                              for o in range(0, n, CHUNK_BYTES)]}
+            rec["chunks"] = {"bytes": CHUNK_BYTES, "crc32c": sums}
         if n:
             self._f.write(t)
         self.records.append(rec)
@@ -171,7 +170,10 @@ def read_tensor(f, path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int
     if got != n:
         raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset']}: {got} of {n} bytes "
                                      "present (file truncated)")
-    crc = crc32c(t.data_ptr(), n)
+    chunks = rec.get("chunks")
+    if chunks is not None:  # the chunks' sums name the corrupt chunk; the whole one is combined from them
+        _check_chunks(path, rec, t.reshape(-1).view(torch.uint8), 0, chunks)
+    crc = _whole_sum(t, n, chunks)
     if crc != rec["crc32c"]:
         raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset']} ({n} bytes): "
                                      f"CRC32C {crc:#010x}, the manifest says {rec['crc32c']:#010x} (corrupt file)")
@@ -185,8 +187,10 @@ def read_range(f, path: str, rec: dict, dtype: torch.dtype, start: int, stop: in
     es = torch.empty(0, dtype=dtype).element_size()
     chunks = rec.get("chunks")
     if chunks is None or (start == 0 and stop * es == rec["length"]):
-        full = read_tensor(f, path, rec, dtype, (rec["length"] // es,))
-        out.copy_(full[start:stop])
+        whole = start == 0 and stop * es == rec["length"] and out.is_contiguous() and out.dtype == dtype
+        full = read_tensor(f, path, rec, dtype, (rec["length"] // es,), out.view(-1) if whole else None)
+        if not whole:
+            out.copy_(full[start:stop])
         return
     c = chunks["bytes"]
     first, last = start * es // c, -(-stop * es // c)
@@ -196,14 +200,35 @@ def read_range(f, path: str, rec: dict, dtype: torch.dtype, start: int, stop: in
     if got != hi - lo:
         raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset'] + lo}: {got} of "
                                      f"{hi - lo} bytes present (file truncated)")
-    for k in range(first, last):
-        a, b = k * c - lo, min((k + 1) * c, rec["length"]) - lo
-        crc = crc32c(buf.data_ptr() + a, b - a)
-        if crc != chunks["crc32c"][k]:
+    _check_chunks(path, rec, buf, first, chunks)
+    out.view(-1).copy_(buf[start * es - lo:stop * es - lo].view(dtype))
+
+
+def _check_chunks(path: str, rec: dict, buf: torch.Tensor, first: int, chunks: dict) -> None:
+    """Checks the chunks ``first ..`` of ``rec`` that ``buf`` (uint8, from chunk ``first``'s start) holds."""
+    c, ptr = chunks["bytes"], buf.data_ptr()
+    lo = first * c
+    for a in range(0, buf.numel(), c):
+        k, b = first + a // c, min(a + c, buf.numel())
+        crc = crc32c(ptr + a, b - a)
+        if k >= len(chunks["crc32c"]) or crc != chunks["crc32c"][k]:
+            want = chunks["crc32c"][k] if k < len(chunks["crc32c"]) else None
             raise CorruptCheckpointError(
                 f"{path}: tensor {rec['name']!r}, chunk {k} at offset {rec['offset'] + lo + a} ({b - a} bytes): "
-                f"CRC32C {crc:#010x}, the manifest says {chunks['crc32c'][k]:#010x} (corrupt file)")
-    out.view(-1).copy_(buf[start * es - lo:stop * es - lo].view(dtype))
+                f"CRC32C {crc:#010x}, the manifest says {want if want is None else f'{want:#010x}'} (corrupt file)")
+
+
+def _whole_sum(t: torch.Tensor, n: int, chunks: Optional[dict]) -> int:
+    """The CRC32C of ``t``'s ``n`` bytes: combined from the chunks' (just checked) where there are chunks."""
+    if chunks is None:
+        return crc32c(t.data_ptr(), n)
+    full, c = 0, chunks["bytes"]
+    if len(chunks["crc32c"]) != -(-n // c):
+        raise CorruptCheckpointError(f"tensor of {n} bytes: {len(chunks['crc32c'])} chunk sums of {c} bytes in the "
+                                     "manifest (corrupt manifest)")
+    for k, s in enumerate(chunks["crc32c"]):
+        full = crc32c_combine(full, s, min(c, n - k * c)) if k else s
+    return full
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -158,9 +158,10 @@ def _write_all(eng, plan: Plan, folder: Optional[str], on_item: Optional[Callabl
     write error stops the writing, not the reading: under ZeRO the reads are
     collectives every rank must finish; then every rank raises."""
     records: Dict[str, dict] = {}
-    plan.reader.expect(plan.model_items + plan.optim_items)
+    stream = plan.stream()
+    plan.reader.expect([item for _, item in stream])
     try:
-        failed = _write_files(eng, plan, folder, records, on_item)
+        failed = _write_files(eng, stream, folder, records, on_item)
     finally:
         plan.reader.done()
     if eng.sharding.world > 1 and eng.sharding.sum(1.0 if failed is not None else 0.0) and failed is None:
@@ -174,41 +175,85 @@ def _write_all(eng, plan: Plan, folder: Optional[str], on_item: Optional[Callabl
     return records
 
 
-def _write_files(eng, plan: Plan, folder: Optional[str], records: Dict[str, dict],
+class _Shards:
+    """The shard files of one prefix ("model", "optimizer"), written in turn
+    as their tensors come; the first write error is kept in ``failure``
+    (shared by both prefixes: after it nothing more is written)."""
+
+    def __init__(self, prefix: str, items, folder: Optional[str], records: Dict[str, dict], failure: list):
+        self.shards = split_shards([(n, d, s) for n, d, s, _ in items], MAX_SHARD_BYTES)
+        self.prefix, self.folder, self.records, self.failure = prefix, folder, records, failure
+        self.k, self.left, self.w = -1, 0, None
+
+    def _io(self, fn, *args):
+        if self.failure[0] is None:
+            try:
+                return fn(*args)
+            except OSError as e:
+                self.failure[0] = e
+        return None
+
+    def _next_shard(self) -> None:
+        self._close()
+        self.k += 1
+        self.left = len(self.shards[self.k])
+        fname = f"{self.prefix}-{self.k + 1:05d}-of-{len(self.shards):05d}.safetensors"
+        if self.folder is not None:
+            self.w = self._io(ShardWriter, os.path.join(self.folder, fname), self.shards[self.k], {"format": "pt"})
+            self.fname = fname
+
+    def _close(self) -> None:
+        w, self.w = self.w, None
+        if w is None:
+            return
+        try:
+            if self._io(w.close) is None and self.failure[0] is None:
+                self.records.update((r["name"], dict(r, file=self.fname)) for r in w.records)
+        finally:
+            w.abort()
+
+    def write(self, name: str, t) -> None:
+        while self.left == 0:
+            self._next_shard()
+        if self.w is not None:
+            self._io(self._write_one, name, t)
+        self.left -= 1
+
+    def _write_one(self, name: str, t) -> None:
+        self.w.write(name, t)
+        _at("tensor")
+
+    def finish(self) -> None:
+        """Writes the shards still unopened (empty ones) and closes the last."""
+        while self.k + 1 < len(self.shards):
+            self._next_shard()
+        self._close()
+
+    def abort(self) -> None:
+        if self.w is not None:
+            self.w.abort()
+            self.w = None
+
+
+def _write_files(eng, stream, folder: Optional[str], records: Dict[str, dict],
                  on_item: Optional[Callable] = None) -> Optional[OSError]:
-    """The shards' writing loop of :func:`_write_all`; the first write error, or None."""
-    failed: Optional[OSError] = None
-    for prefix, items in (("model", plan.model_items), ("optimizer", plan.optim_items)):
-        shards = split_shards([(n, d, s) for n, d, s, _ in items], MAX_SHARD_BYTES)
-        it = iter(items)
-        for k, entries in enumerate(shards):
-            fname = f"{prefix}-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            w = None
-            if folder is not None and failed is None:
-                try:
-                    w = ShardWriter(os.path.join(folder, fname), entries, {"format": "pt"})
-                except OSError as e:
-                    failed = e
-            for name, _, _, source in (next(it) for _ in entries):
-                t = eng_guarded(eng, source)
-                if w is not None and failed is None:
-                    try:
-                        w.write(name, t)
-                        _at("tensor")
-                    except OSError as e:
-                        failed = e
-                if on_item is not None:
-                    on_item(source)
-            if w is not None:
-                try:
-                    if failed is None:
-                        w.close()
-                        records.update((r["name"], dict(r, file=fname)) for r in w.records)
-                except OSError as e:
-                    failed = e
-                finally:
-                    w.abort()
-    return failed
+    """The writing loop of :func:`_write_all` over ``stream`` (Plan.stream);
+    the first write error, or None."""
+    failure: list = [None]
+    by_prefix = {p: [it for q, it in stream if q == p] for p in ("model", "optimizer")}
+    files = {p: _Shards(p, items, folder, records, failure) for p, items in by_prefix.items()}
+    try:
+        for prefix, (name, _, _, source) in stream:
+            t = eng_guarded(eng, source)
+            files[prefix].write(name, t)
+            if on_item is not None:
+                on_item(source)
+        for f in files.values():
+            f.finish()
+    finally:
+        for f in files.values():
+            f.abort()
+    return failure[0]
 
 
 def eng_guarded(eng, source):

@@ -222,6 +222,8 @@ class Engine:
         """Root forward starts: a new pass (a forward and, with grad, its backward)."""
         if self._in_pass:
             self.end_pass()
+        if self.schedule is not None and self.schedule.updates_in_flight():
+            raise self.gradients.forward_error()
         self._in_pass, self.pass_grad = True, grad
         self.trace.begin_pass("train" if grad else "infer")
         if self._relayout or self.units[0].dev.state is DeviceState.ABSENT:
@@ -298,11 +300,12 @@ class Engine:
         if params:
             torch.autograd.graph.increment_version(params)
 
-    def write_unit_values(self, u, values: Dict[int, torch.Tensor]) -> None:
+    def write_unit_values(self, u, values: Dict[int, torch.Tensor], scratch=None) -> None:
         """Overwrites parameters of ``u`` (slot index -> tensor of the slot's
         numel, any dtype) in every tier that holds them; moments stay. Used
-        by ``infinity.load_pretrained``."""
-        Values(self).write(u, values)
+        by ``infinity.load_pretrained`` and ``load_checkpoint``; ``scratch(numel,
+        dtype)`` gives reusable temporaries (their contents undefined)."""
+        Values(self).write(u, values, scratch)
 
     @torch.no_grad()
     def read(self, u, kind: str) -> Optional[torch.Tensor]:

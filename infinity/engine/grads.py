@@ -151,6 +151,15 @@ class Gradients:
             "backward() calls, or set grad_accumulation_steps to the number of backward() calls per step "
             "(see [Note: the accumulation window] in infinity/engine/schedule.py)")
 
+    def forward_error(self) -> UsageError:
+        """A forward between the backward that started the updates (overlap="backward") and ``step()``."""
+        n = self.accum_steps
+        return UsageError(
+            f"forward before optimizer.step(), with overlap='backward' and Config.grad_accumulation_steps={n}: "
+            "the last backward of the accumulation window already started the updates, so the parameters are "
+            "neither the old values nor the new ones (a forward would use a mix). Call optimizer.step() after "
+            f"every {n} backward() call(s), or use overlap='step'")
+
     def _bound_transient(self, incoming: int) -> None:
         """Backpressure: waits for the oldest copies until ``incoming`` more
         bytes fit the reserve the device budget sets aside for gradients."""

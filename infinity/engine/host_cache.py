@@ -229,6 +229,11 @@ class HostCache:
                 freed += got
         return freed
 
+    def settle_write_back(self, u) -> None:
+        """Waits for a write-back of ``u``'s evicted copy still in flight (before its NVMe copy is rewritten)."""
+        with self.lock:
+            self._settle_write_back(u)
+
     def _settle_write_back(self, u) -> None:
         """Waits for a write-back of ``u``'s evicted copy still in flight, so a
         read of the NVMe copy sees the new bytes."""

@@ -135,6 +135,14 @@ class OptimizerState:
                 self.cache.unlock_master(u)
             self._forget(u)
 
+    def forget_read_ahead(self, u) -> None:
+        """Drops a read-ahead of ``u``'s old state (its values are about to be replaced)."""
+        o = u.opt
+        if o.state is OptState.READING_AHEAD:
+            for h in o.pending:
+                h.wait()
+            self.discard(u)
+
     def _forget(self, u) -> None:
         o = u.opt
         o.bufs, o.pending = [], None
@@ -228,19 +236,22 @@ class OptimizerState:
         self.nvme.read(swap_key(u.index, kind), out).wait()
         return out
 
-    @torch.no_grad()
     def write_moments(self, u, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Replaces ``u``'s moments by the full tensors given (CPU fp32 of the
         unit's trainable numel), this rank's shard of them under ZeRO, wherever
         they live (in place in memory, rewritten on NVMe)."""
+        self.write_moments_from(u, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}.__getitem__)
+
+    @torch.no_grad()
+    def write_moments_from(self, u, source) -> None:
+        """:meth:`write_moments` with ``source(kind)`` giving each full tensor
+        in turn, asked for once the one before is written (a loader may
+        hand out one buffer for both)."""
         o, p = u.opt, u.place
-        if o.state is OptState.READING_AHEAD:  # a read-ahead of the old moments: drop it
-            for h in o.pending:
-                h.wait()
-            self.discard(u)
+        self.forget_read_ahead(u)
         lo, hi = self.sharding.shard(p.trainable_numel)
-        for kind, full in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            shard = full[lo:hi]
+        for kind in ("exp_avg", "exp_avg_sq"):
+            shard = source(kind)[lo:hi]
             if o.state is OptState.RESIDENT:
                 getattr(o, kind).copy_(shard)
             elif o.state is OptState.HOME:

@@ -9,12 +9,14 @@ optimizer state, residency) and fills them; owns no state of its own.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
 from .nvme import key as swap_key
+from .state import OptState
+from .units import Layout
 
 __all__ = ["Values"]
 
@@ -155,7 +157,7 @@ class Values:
     # -- loaded later --------------------------------------------------------------------
 
     @torch.no_grad()
-    def write(self, u, values: Dict[int, torch.Tensor]) -> None:
+    def write(self, u, values: Dict[int, torch.Tensor], scratch=None) -> None:
         """Overwrites parameters of ``u`` (slot index -> tensor of the slot's
         numel, any dtype) in every tier that holds them: fp32 master, compute
         home, and the device copy. Optimizer moments are left as they are."""
@@ -163,9 +165,11 @@ class Values:
         p.fence(u)
         p.gradients.drain()
         p.residency.drop_copy(u)  # fetched again, with the new values, when next used
-        # In memory buffers are written in place; NVMe homes are read, written and stored back.
-        master = p.optstate.read(u, "master") if u.place.trainable else None
-        home = p.read_compute(u)
+        # In memory buffers are written in place; NVMe homes are read, written and stored back
+        # (not read where every slot is overwritten, as a checkpoint's load does).
+        covers = len(values) == len(u.layout.slots)
+        master = self._old_master(u, covers, scratch)
+        home = self._old_home(u, covers, scratch)
         computes = [t for t in (home, u.host.next_compute) if t is not None]
         dev = p.residency.permanent_copy(u)
         if dev is not None and dev is not home:
@@ -184,6 +188,27 @@ class Values:
         self._store_written(u, master, home)
         p.values_changed(u, [u.layout.slots[i] for i in values])
 
+    def _old_master(self, u, covers: bool, scratch) -> Optional[torch.Tensor]:
+        """The full master to overwrite: the buffer itself where it is whole in
+        memory, else a temporary (its old values read unless ``covers``)."""
+        p, o = self.p, u.opt
+        if not u.place.trainable:
+            return None
+        p.optstate.forget_read_ahead(u)  # else the next step would use the old values read ahead
+        if covers and o.state is not OptState.NONE and (o.master is None or p.modes.zero):
+            return _blank(scratch, u.place.trainable_numel, torch.float32, u.layout.trainable_slots)
+        return p.optstate.read(u, "master")
+
+    def _old_home(self, u, covers: bool, scratch) -> Optional[torch.Tensor]:
+        """The full home compute copy to overwrite (see :meth:`_old_master`)."""
+        p = self.p
+        if covers and p.modes.zero == 3:
+            return _blank(scratch, u.place.compute_numel, p.modes.dtype, u.layout.slots)
+        if covers and u.host.compute is None and p.cache.nvme_home(u):
+            p.cache.settle_write_back(u)  # the old copy's write-back lands before the new copy's write
+            return _blank(scratch, u.place.home_numel, p.modes.dtype, u.layout.slots)
+        return p.read_compute(u)
+
     def _store_written(self, u, master, home) -> None:
         """Writes the master shard and the home compute copy back to where they live."""
         p, m = self.p, self.p.modes
@@ -199,3 +224,14 @@ class Values:
                 u.host.compute.copy_(home)
         if p.cache.nvme_home(u):
             p.cache.store_compute(u, home)
+
+
+def _blank(scratch, numel: int, dtype: torch.dtype, slots) -> torch.Tensor:
+    """A temporary of ``numel`` elements whose slots are about to be
+    overwritten: the gaps between ``slots`` and the tail zeroed (they stay
+    defined in the tiers), from ``scratch`` where given."""
+    if scratch is None:
+        return torch.zeros(numel, dtype=dtype)
+    t = scratch(numel, dtype)
+    Layout.zero_padding(t, slots)
+    return t

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -231,6 +231,11 @@ class Sharding:
         # convention of the ZeRO paper's communication volumes.
         self.stats.moved("all_reduce", 2 * t.numel() * t.element_size())
         return self._ticket(work, t) if async_op else None
+
+    def own_param_ranges(self, numel: int, trainable: int) -> List[Tuple[int, int]]:
+        """Stage 3: the element ranges of a unit's full compute copy that this
+        rank's shard holds (:meth:`_param_regions`); the master shard is the first."""
+        return [(a + self.rank * k, a + (self.rank + 1) * k) for a, b, k in self._param_regions(numel, trainable)]
 
     def _param_regions(self, numel: int, trainable: int):
         """Stage 3 layout of a unit's compute copy: (start, end, per-rank
