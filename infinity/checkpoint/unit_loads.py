@@ -11,7 +11,9 @@ unit be read (on a thread of its own: file reads and CRC checks) while the
 current one is written into the tiers. Larger units are read and written in
 turn, their values and then each moment through one buffer, so a load holds
 the largest of one unit's three tensors beside the run's budgets (4 bytes a
-trainable parameter; two small units' tensors at most: 2 x ``AHEAD_BYTES``). Units are taken in the order
+trainable parameter; two small units' tensors at most: 2 x ``AHEAD_BYTES``). Where the unit's master and
+moments are whole in host memory (host optimizer, no ZeRO), they are read
+into in place instead: no staging copy. Units are taken in the order
 their weights sit in the files (a save writes them in update order), so
 each file is read front to back. Reads take no collective, so under ZeRO
 the thread is safe; the writes (which may) stay on the caller's thread, in
@@ -167,21 +169,28 @@ class UnitLoads:
         """``u``'s values and (this rank's range of) its moments into ``st``."""
         out = StagedUnit(u)
         off, ranges = 0, self._own_ranges(u)
+        direct = {k: self.eng.optstate.resident_view(u, k) for k in ("master",) + KINDS}
         for i, s in enumerate(u.layout.slots):
             rec = self._rec(s)
             if rec is not None:
                 n = _nbytes(rec, s)  # the model's shape: a record's wrong length is named by read_tensor
-                view = st.vals[off:off + n].view(_dtype(rec)).view(s.shape)
+                if s.trainable and direct["master"] is not None and _dtype(rec) is torch.float32:
+                    view = direct["master"][s.offset:s.offset + s.numel].view(s.shape)  # in place
+                else:
+                    view = st.vals[off:off + n].view(_dtype(rec)).view(s.shape)
+                    off += _aligned(n)
                 if ranges is None:
                     self.files.read(rec, _dtype(rec), s.shape, view)
                 else:
                     self._read_ranges(rec, s, ranges, view.view(-1))
                 out.values[i] = view
-                off += _aligned(n)
         tn = u.place.trainable_numel
-        if tn and st.moments is not None:
-            out.moments = {kind: self._read_moments(u, kind, buf[:tn]) for kind, buf in st.moments.items()}
-        elif tn:
+        for kind in KINDS if tn else ():
+            if direct[kind] is not None:
+                out.moments[kind] = self._read_moments(u, kind, direct[kind])
+            elif st.moments is not None:
+                out.moments[kind] = self._read_moments(u, kind, st.moments[kind][:tn])
+        if tn and len(out.moments) < len(KINDS):
             out.read_later = lambda kind: self._read_moments(u, kind, st.shared[:tn])
         return out
 

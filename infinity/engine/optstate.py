@@ -59,6 +59,18 @@ class OptimizerState:
         o.master, o.exp_avg, o.exp_avg_sq = master, exp_avg, exp_avg_sq
         o.state = transition(u.name, "optimizer state", o.state, OptState.RESIDENT)
 
+    def resident_view(self, u, kind: str) -> Optional[torch.Tensor]:
+        """``u``'s whole ``kind`` buffer (fp32, its trainable numel) where it
+        lives in host memory unsharded, for a loader to read into in place;
+        else None."""
+        o = u.opt
+        if o.state is not OptState.RESIDENT or self.modes.zero or not u.place.trainable:
+            return None
+        t = getattr(o, kind)
+        if t is None or t.device.type != "cpu" or t.dtype != torch.float32:
+            return None
+        return t[:u.place.trainable_numel]
+
     def set_home_nvme(self, u, master_shard: Optional[torch.Tensor]) -> None:
         """Master (unless aliased to the compute copy) written to NVMe; the
         moments start as zeros, read from nowhere until first written."""
@@ -253,7 +265,9 @@ class OptimizerState:
         for kind in ("exp_avg", "exp_avg_sq"):
             shard = source(kind)[lo:hi]
             if o.state is OptState.RESIDENT:
-                getattr(o, kind).copy_(shard)
+                dst = getattr(o, kind)
+                if dst.data_ptr() != shard.data_ptr():  # else read into it in place (resident_view)
+                    dst.copy_(shard)
             elif o.state is OptState.HOME:
                 self.nvme.write(swap_key(u.index, kind), shard.contiguous()).wait()
             else:

@@ -182,9 +182,9 @@ class Values:
                                  f"(shape {tuple(s.shape)})")
             sl = slice(s.offset, s.offset + s.numel)
             if s.trainable and master is not None:
-                master[sl].copy_(src)
+                _put(master[sl], src)
             for c in computes:
-                c[sl].copy_(src)
+                _put(c[sl], src)
         self._store_written(u, master, home)
         p.values_changed(u, [u.layout.slots[i] for i in values])
 
@@ -235,3 +235,9 @@ def _blank(scratch, numel: int, dtype: torch.dtype, slots) -> torch.Tensor:
     t = scratch(numel, dtype)
     Layout.zero_padding(t, slots)
     return t
+
+
+def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` = ``src``, unless ``src`` is ``dst`` itself (a load read into the buffer in place)."""
+    if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype:
+        dst.copy_(src)
