@@ -19,7 +19,7 @@ from typing import List, Tuple
 
 from ..io.engine import crc32c
 
-__all__ = ["crc32c_combine", "chunk_sums"]
+__all__ = ["crc32c_combine", "chunk_sums", "combine_chunks"]
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
 
@@ -68,7 +68,13 @@ def chunk_sums(ptr: int, nbytes: int, chunk: int) -> Tuple[int, List[int]]:
     """(CRC32C of the ``nbytes`` bytes at address ``ptr``, the CRC32C of each
     ``chunk``-byte piece of them, the last one shorter), reading the bytes once."""
     sums = [crc32c(ptr + o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
+    return combine_chunks(sums, nbytes, chunk), sums
+
+
+def combine_chunks(sums: List[int], nbytes: int, chunk: int) -> int:
+    """The CRC32C of ``nbytes`` bytes from the CRC32Cs ``sums`` of their
+    ``chunk``-byte pieces (one per piece, the last one shorter)."""
     full = 0
     for k, c in enumerate(sums):
         full = crc32c_combine(full, c, min(chunk, nbytes - k * chunk)) if k else c
-    return full, sums
+    return full

@@ -22,7 +22,7 @@ import torch
 from ..config import parse_bytes
 from . import layout
 from .load import _Files, read_manifest
-from .safetensors_io import ShardWriter, split_shards
+from .safetensors_io import ShardWriter, record_dtype, split_shards
 
 __all__ = ["export_pretrained", "consolidate", "INDEX_NAME"]
 
@@ -125,8 +125,8 @@ def consolidate(checkpoint, out_dir, *, dtype: Union[str, torch.dtype] = "bf16",
     recs = sorted(((n, r) for n, r in m["tensors"].items() if not n.startswith(("exp_avg.", "exp_avg_sq."))),
                   key=lambda nr: (nr[1]["file"], nr[1]["offset"]))
     with _Files(ckpt) as files:
-        items = [(n, getattr(torch, r["dtype"]), tuple(r["shape"]),
-                  lambda r=r: files.read(r, getattr(torch, r["dtype"]), r["shape"])) for n, r in recs]
+        items = [(n, record_dtype(r), tuple(r["shape"]),
+                  lambda r=r: files.read(r, record_dtype(r), r["shape"])) for n, r in recs]
         cfg = m.get("hf_config")
         return _write_hf(os.fspath(out_dir), items, _target(dtype), max_shard_size,
                          json.dumps(cfg, indent=2) if cfg is not None else None)

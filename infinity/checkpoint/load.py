@@ -22,7 +22,7 @@ import torch
 from . import layout, rng
 from .plan import Plan, plan_checkpoint
 from .direct_stream import DirectReader
-from .safetensors_io import CorruptCheckpointError, read_header, read_range, read_tensor
+from .safetensors_io import CorruptCheckpointError, read_header, read_range, read_tensor, record_dtype
 from .unit_loads import UnitLoads
 
 __all__ = ["load_checkpoint", "verify_checkpoint", "read_manifest"]
@@ -90,13 +90,9 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
             rec = m["tensors"].get(key)
             if rec is not None:
                 with torch.no_grad():
-                    b.copy_(files.read(rec, _dtype(rec), b.shape))
+                    b.copy_(files.read(rec, record_dtype(rec), b.shape))
     _load_small_state(m, eng, optimizer, lr_scheduler)
     return m.get("extra")
-
-
-def _dtype(rec: dict) -> torch.dtype:
-    return getattr(torch, rec["dtype"])
 
 
 def _check_names_and_shapes(ckpt: str, m: dict, plan: Plan, strict: bool) -> None:
@@ -230,6 +226,6 @@ def verify_checkpoint(path) -> dict:
             if h is None or start + h["data_offsets"][0] != rec["offset"] or list(h["shape"]) != list(rec["shape"]):
                 raise CorruptCheckpointError(f"{os.path.join(ckpt, rec['file'])}: header entry of {name!r} "
                                              "disagrees with the manifest")
-            files.read(rec, _dtype(rec), rec["shape"])
+            files.read(rec, record_dtype(rec), rec["shape"])
             total += rec["length"]
     return {"path": ckpt, "step": m.get("step"), "tensors": len(m["tensors"]), "bytes": total}

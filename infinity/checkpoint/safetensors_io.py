@@ -23,11 +23,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..io.engine import crc32c
-from .chunk_sums import chunk_sums, crc32c_combine
+from .chunk_sums import chunk_sums, combine_chunks
 from .direct_stream import DirectStream
 
 __all__ = ["DTYPES", "Entry", "nbytes", "split_shards", "ShardWriter", "read_tensor", "read_range", "read_header",
-           "CorruptCheckpointError", "CHUNK_BYTES"]
+           "CorruptCheckpointError", "CHUNK_BYTES", "record_dtype"]
 
 DTYPES: Dict[torch.dtype, str] = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -186,10 +186,11 @@ def read_range(f, path: str, rec: dict, dtype: torch.dtype, start: int, stop: in
     (the whole tensor where the record has no chunk sums)."""
     es = torch.empty(0, dtype=dtype).element_size()
     chunks = rec.get("chunks")
-    if chunks is None or (start == 0 and stop * es == rec["length"]):
-        whole = start == 0 and stop * es == rec["length"] and out.is_contiguous() and out.dtype == dtype
-        full = read_tensor(f, path, rec, dtype, (rec["length"] // es,), out.view(-1) if whole else None)
-        if not whole:
+    whole = start == 0 and stop * es == rec["length"]
+    if chunks is None or whole:
+        into = whole and out.is_contiguous() and out.dtype == dtype  # straight into out, no temporary
+        full = read_tensor(f, path, rec, dtype, (rec["length"] // es,), out.view(-1) if into else None)
+        if not into:
             out.copy_(full[start:stop])
         return
     c = chunks["bytes"]
@@ -222,13 +223,23 @@ def _whole_sum(t: torch.Tensor, n: int, chunks: Optional[dict]) -> int:
     """The CRC32C of ``t``'s ``n`` bytes: combined from the chunks' (just checked) where there are chunks."""
     if chunks is None:
         return crc32c(t.data_ptr(), n)
-    full, c = 0, chunks["bytes"]
+    c = chunks["bytes"]
     if len(chunks["crc32c"]) != -(-n // c):
         raise CorruptCheckpointError(f"tensor of {n} bytes: {len(chunks['crc32c'])} chunk sums of {c} bytes in the "
                                      "manifest (corrupt manifest)")
-    for k, s in enumerate(chunks["crc32c"]):
-        full = crc32c_combine(full, s, min(c, n - k * c)) if k else s
-    return full
+    return combine_chunks(chunks["crc32c"], n, c)
+
+
+_MANIFEST_DTYPES = {str(d).replace("torch.", ""): d for d in DTYPES}  # as save.py names them
+
+
+def record_dtype(rec: dict) -> torch.dtype:
+    """The torch dtype of a manifest record ("float32", "bfloat16", ...)."""
+    try:
+        return _MANIFEST_DTYPES[rec["dtype"]]
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(f"tensor {rec.get('name')!r}: unknown dtype {rec.get('dtype')!r} in the "
+                                     "manifest") from None
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -207,7 +207,8 @@ class _Shards:
         if w is None:
             return
         try:
-            if self._io(w.close) is None and self.failure[0] is None:
+            self._io(w.close)
+            if self.failure[0] is None:
                 self.records.update((r["name"], dict(r, file=self.fname)) for r in w.records)
         finally:
             w.abort()

@@ -29,30 +29,21 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .safetensors_io import DTYPES, CorruptCheckpointError, nbytes
+from .safetensors_io import nbytes, record_dtype
 
 __all__ = ["UnitLoads", "StagedUnit", "AHEAD_BYTES"]
 
 AHEAD_BYTES = 256 << 20  # a unit's staged tensors up to this size: the next unit is read ahead
 _ALIGN = 64  # bytes between staged tensors (any dtype's alignment)
 KINDS = ("exp_avg", "exp_avg_sq")
-_MANIFEST_DTYPES = {str(d).replace("torch.", ""): d for d in DTYPES}  # as save.py names them
 
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _dtype(rec: dict) -> torch.dtype:
-    try:
-        return _MANIFEST_DTYPES[rec["dtype"]]
-    except (KeyError, TypeError):
-        raise CorruptCheckpointError(f"tensor {rec.get('name')!r}: unknown dtype {rec.get('dtype')!r} in the "
-                                     "manifest") from None
-
-
 def _nbytes(rec: dict, s) -> int:
-    return nbytes(_dtype(rec), s.shape)
+    return nbytes(record_dtype(rec), s.shape)
 
 
 @dataclass
@@ -173,14 +164,15 @@ class UnitLoads:
         for i, s in enumerate(u.layout.slots):
             rec = self._rec(s)
             if rec is not None:
-                n = _nbytes(rec, s)  # the model's shape: a record's wrong length is named by read_tensor
-                if s.trainable and direct["master"] is not None and _dtype(rec) is torch.float32:
+                dtype = record_dtype(rec)
+                n = nbytes(dtype, s.shape)  # the model's shape: a record's wrong length is named by read_tensor
+                if s.trainable and direct["master"] is not None and dtype is torch.float32:
                     view = direct["master"][s.offset:s.offset + s.numel].view(s.shape)  # in place
                 else:
-                    view = st.vals[off:off + n].view(_dtype(rec)).view(s.shape)
+                    view = st.vals[off:off + n].view(dtype).view(s.shape)
                     off += _aligned(n)
                 if ranges is None:
-                    self.files.read(rec, _dtype(rec), s.shape, view)
+                    self.files.read(rec, dtype, s.shape, view)
                 else:
                     self._read_ranges(rec, s, ranges, view.view(-1))
                 out.values[i] = view
@@ -210,7 +202,7 @@ class UnitLoads:
         for a, b in ranges:
             x, y = max(a, s.offset), min(b, s.offset + s.numel)
             if x < y:
-                self.files.read_range(rec, _dtype(rec), x - s.offset, y - s.offset, flat[x - s.offset:y - s.offset])
+                self.files.read_range(rec, record_dtype(rec), x - s.offset, y - s.offset, flat[x - s.offset:y - s.offset])
 
     def _read_moments(self, u, kind: str, full: torch.Tensor) -> torch.Tensor:
         """Each rank keeps only its shard of the moments: it reads only that
