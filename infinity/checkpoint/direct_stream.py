@@ -7,25 +7,42 @@ the development machine (allocating and copying into cache pages), against
 sit at arbitrary offsets, so the stream is gathered into 4 KiB-aligned
 staging blocks of ``BLOCK`` bytes (one filled while the others are written
 by background threads) and each full block goes to the disk with
-O_DIRECT. ``DEPTH`` blocks are in flight at once (the disk needs a queue:
-one at a time reached 1.5 GB/s here, 8 deep raw writes 2.2). The last block is padded to 4 KiB and the file cut to its true
+O_DIRECT. ``WRITE_DEPTH`` blocks are in flight at once (the disk needs a
+queue: one at a time reached 1.5 GB/s here, 8 deep raw writes 2.2), and a
+filled block waits for the first write to finish, not the oldest. Streaming
+2 GiB from memory reached 0.57-0.70x the raw write bandwidth of the same
+moment 4 deep waiting for the oldest, 0.71-0.78x waiting for the first, and
+0.70-0.88x 8 deep (3 repeats each, the disk drifting
+1.7-2.5 GB/s). The last block is padded to 4 KiB and the file cut to its true
 length. Where O_DIRECT is refused (tmpfs, some network filesystems) the same
 blocks are written through the page cache.
+
+A large tensor whose address is 4 KiB-aligned, arriving where the stream's
+position is too (a model whose tensor sizes are multiples of 4 KiB, as an
+LLM's are, laid out from page-aligned tier buffers), is written straight
+from its own memory, without the copy into a block: the copy cost the
+save's thread a third of its time, and a save of host-resident state ran
+0.74x the raw write bandwidth with it against 0.84x without it (the means
+of three alternating runs). Such a write borrows the tensor's memory until
+:meth:`DirectStream.settle` (or ``close``): the caller settles before that
+memory may change.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 
-__all__ = ["DirectStream", "DirectReader", "BLOCK"]
+__all__ = ["DirectStream", "DirectReader", "BLOCK", "DEPTH", "WRITE_DEPTH"]
 
 BLOCK = 8 << 20  # bytes per staging block and per write
-DEPTH = 4        # blocks being written at once (and one more being filled)
+WRITE_DEPTH = 8  # blocks being written at once (and one more being filled)
+DEPTH = 4        # blocks read ahead
 _ALIGN = 4096
 
 
@@ -50,17 +67,22 @@ class DirectStream:
         except OSError:
             self._fd = os.open(path, flags, 0o600)
             self.direct = False
-        self._maps = [mmap.mmap(-1, BLOCK) for _ in range(DEPTH + 1)]  # page-aligned
+        self._depth = WRITE_DEPTH
+        self._maps = [mmap.mmap(-1, BLOCK) for _ in range(WRITE_DEPTH + 1)]  # page-aligned
         self._bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._cur, self._fill, self._file_pos = 0, 0, 0
         self._pending: deque = deque()  # (block index, future), oldest first
-        self._pool = ThreadPoolExecutor(DEPTH, thread_name_prefix="infinity-ckpt-write")
+        self._pool = ThreadPoolExecutor(WRITE_DEPTH, thread_name_prefix="infinity-ckpt-write")
         self.length = 0
 
     def write(self, t: torch.Tensor) -> None:
-        """Appends the bytes of contiguous CPU tensor ``t``."""
+        """Appends the bytes of contiguous CPU tensor ``t``. Where it is
+        written from its own memory (see the module's note), that memory is
+        read until :meth:`settle`."""
         src = t.reshape(-1).view(torch.uint8)
         done, n = 0, src.numel()
+        if self.direct and n >= BLOCK and t.data_ptr() % _ALIGN == 0 and self._fill % _ALIGN == 0:
+            done = self._lend(t, n - n % _ALIGN)
         while done < n:
             k = min(BLOCK - self._fill, n - done)
             self._bufs[self._cur][self._fill:self._fill + k].copy_(src[done:done + k])
@@ -70,20 +92,51 @@ class DirectStream:
                 self._flush(BLOCK)
         self.length += n
 
+    def _lend(self, t: torch.Tensor, body: int) -> int:
+        """Writes the first ``body`` bytes (4 KiB-aligned) of ``t`` from its
+        own memory, in ``BLOCK`` pieces; returns ``body``."""
+        if self._fill:  # the partial block first: the file position stays 4 KiB-aligned
+            self._flush(self._fill)
+        whole = (ctypes.c_char * body).from_address(t.data_ptr())
+        for off in range(0, body, BLOCK):
+            self._reap(self._depth)
+            k = min(BLOCK, body - off)
+            view = memoryview(whole)[off:off + k]  # released by the job when done
+            self._pending.append((-1, self._pool.submit(self._pwrite_lent, view, self._file_pos, t)))
+            self._file_pos += k
+        return body
+
+    def _pwrite_lent(self, view: memoryview, pos: int, owner: torch.Tensor) -> None:
+        del owner  # held by the job until it is done: the memory stays alive
+        self._pwrite(view, pos)
+
+    def settle(self) -> None:
+        """Waits for the writes still reading a tensor's own memory (raises their error)."""
+        for item in [x for x in self._pending if x[0] < 0]:
+            self._pending.remove(item)
+            item[1].result()
+
+    def _reap(self, limit: int) -> None:
+        """Waits until at most ``limit`` writes are in flight; collects the finished ones (raising their errors)."""
+        if len(self._pending) > limit:  # take the first one done, not the oldest
+            wait([f for _, f in self._pending], return_when=FIRST_COMPLETED)
+        for i, f in [(i, f) for i, f in self._pending if f.done()]:
+            self._pending.remove((i, f))
+            f.result()  # raises the write's OSError (ENOSPC, EIO)
+
     def write_bytes(self, data: bytes) -> None:
         self.write(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def _flush(self, nbytes: int) -> None:
         """Hands the current block (``nbytes`` of it, aligned) to a writer
-        thread and takes the next free one (waiting for the oldest write)."""
+        thread and takes a free one (waiting for the first write to finish
+        when ``WRITE_DEPTH`` are in flight)."""
         buf, pos = self._maps[self._cur], self._file_pos
         self._pending.append((self._cur, self._pool.submit(self._pwrite, memoryview(buf)[:nbytes], pos)))
         self._file_pos += nbytes
+        self._reap(self._depth)  # so at most WRITE_DEPTH blocks are busy: one of the WRITE_DEPTH + 1 is free
         busy = {i for i, _ in self._pending}
-        while len(busy) > DEPTH:
-            self._wait_oldest()
-            busy = {i for i, _ in self._pending}
-        self._cur, self._fill = next(i for i in range(DEPTH + 1) if i not in busy), 0
+        self._cur, self._fill = next(i for i in range(len(self._maps)) if i not in busy), 0
 
     def _pwrite(self, view: memoryview, pos: int) -> None:
         try:

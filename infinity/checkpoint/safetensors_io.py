@@ -35,7 +35,7 @@ DTYPES: Dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _BY_NAME = {v: k for k, v in DTYPES.items()}
-ALIGN = 8  # the header is padded so the data starts 8-byte aligned
+ALIGN = 4096  # the header is padded (spaces, as the format allows): the data starts on a page (DirectStream)
 CHUNK_BYTES = 4 << 20  # per-chunk CRC32C of larger tensors (ranged reads verify what they read)
 
 
@@ -118,6 +118,11 @@ class ShardWriter:
         self.records.append(rec)
         self._pos += n
         self._next += 1
+
+    def settle(self) -> None:
+        """Waits until no write still reads a written tensor's memory (see
+        DirectStream.settle): call before that memory may change."""
+        self._f.settle()
 
     def close(self) -> None:
         """Flushes and fsyncs the file; raises if a declared tensor was not written."""

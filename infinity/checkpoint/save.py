@@ -33,7 +33,7 @@ import torch
 
 from ..config import format_bytes
 from . import layout, rng
-from .plan import Plan, plan_checkpoint
+from .plan import Plan, SlotSource, plan_checkpoint
 from .safetensors_io import ShardWriter, split_shards
 
 __all__ = ["save_checkpoint", "CheckpointSpaceError", "MAX_SHARD_BYTES"]
@@ -224,6 +224,11 @@ class _Shards:
         self.w.write(name, t)
         _at("tensor")
 
+    def settle(self) -> None:
+        """No write reads a tensor already written after this (its memory may change)."""
+        if self.w is not None:
+            self._io(self.w.settle)
+
     def finish(self) -> None:
         """Writes the shards still unopened (empty ones) and closes the last."""
         while self.k + 1 < len(self.shards):
@@ -243,11 +248,18 @@ def _write_files(eng, stream, folder: Optional[str], records: Dict[str, dict],
     failure: list = [None]
     by_prefix = {p: [it for q, it in stream if q == p] for p in ("model", "optimizer")}
     files = {p: _Shards(p, items, folder, records, failure) for p, items in by_prefix.items()}
+    held = None  # the unit buffer the last tensors came from: writes may still read it
     try:
         for prefix, (name, _, _, source) in stream:
+            key = (source.u.index, source.kind) if isinstance(source, SlotSource) else None
+            if key is None or key != held:  # the reader drops (or recycles) that buffer now
+                for f in files.values():
+                    f.settle()
+            held = key
             t = eng_guarded(eng, source)
             files[prefix].write(name, t)
-            if on_item is not None:
+            if on_item is not None:  # the unit's state may change after this (a background save's fence)
+                files[prefix].settle()
                 on_item(source)
         for f in files.values():
             f.finish()
