@@ -98,13 +98,8 @@ def worker(c: dict, steps: int) -> None:
 
 def _rss_split() -> dict:
     """This process's resident MiB now: anonymous and file-backed (/proc/self/status)."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, val = line.partition(":")
-            if key in ("RssAnon", "RssFile", "RssShmem"):
-                fields[key] = round(int(val.split()[0]) / 1024, 1)
-    return fields
+    from infinity.sysinfo import _kib_field  # the reader sysinfo.rss_bytes uses (bytes, or None)
+    return {k: round((_kib_field("/proc/self/status", k) or 0) / 2**20, 1) for k in ("RssAnon", "RssFile", "RssShmem")}
 
 
 def _arch(c: dict, gcfg):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_checkpoint import train
 
 import infinity
 from infinity.checkpoint import direct_stream, save
@@ -115,17 +116,6 @@ def _make(tmp_path, tag, place):
     return infinity.initialize(Square(), cfg, lr=1e-2)
 
 
-def _train(m, o, batches):
-    out = []
-    for x, y in batches:
-        loss = m(x, y)
-        loss.backward()
-        o.step()
-        o.zero_grad()
-        out.append(loss.item())
-    return out
-
-
 def _batches(n):
     g = torch.Generator().manual_seed(5)
     return [(torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)) for _ in range(n)]
@@ -137,18 +127,18 @@ def test_a_save_lending_the_tiers_buffers_resumes_exactly(tmp_path, monkeypatch,
     lent = _spy_lent(monkeypatch)
     batches = _batches(6)
     m, o = _make(tmp_path, "ref", place)
-    ref = _train(m, o, batches)
+    ref = train(m, o, None, batches)
     ref_sd = infinity.full_state_dict(m)
     infinity.close(m)
     m, o = _make(tmp_path, "a", place)
-    first = _train(m, o, batches[:3])
+    first = train(m, o, None, batches[:3])
     infinity.save_checkpoint(tmp_path / "ck", m, o)
     infinity.close(m)
     if place == "host":  # host homes are page-aligned views of the pool
         assert lent[0] >= 3 * 4 * 64 * 64 * 4, lent[0]
     m, o = _make(tmp_path, "b", place)
     infinity.load_checkpoint(tmp_path / "ck", m, o)
-    rest = _train(m, o, batches[3:])
+    rest = train(m, o, None, batches[3:])
     sd = infinity.full_state_dict(m)
     infinity.close(m)
     assert first + rest == ref
@@ -162,7 +152,7 @@ def test_a_background_save_lending_host_homes_is_the_state_at_the_call(tmp_path,
     lent = _spy_lent(monkeypatch)
     batches = _batches(6)
     m, o = _make(tmp_path, "sync", "host")
-    _train(m, o, batches[:3])
+    train(m, o, None, batches[:3])
     want = infinity.save_checkpoint(tmp_path / "sync", m, o)
     infinity.close(m)
     real_pwrite = os.pwrite
@@ -174,10 +164,10 @@ def test_a_background_save_lending_host_homes_is_the_state_at_the_call(tmp_path,
     monkeypatch.setattr(direct_stream.os, "pwrite", slow_pwrite)
     monkeypatch.setattr(save, "test_hook", lambda point: time.sleep(0.002) if point == "tensor" else None)
     m, o = _make(tmp_path, "bg", "host")
-    _train(m, o, batches[:3])
+    train(m, o, None, batches[:3])
     lent[0] = 0
     pending = infinity.save_checkpoint(tmp_path / "bg", m, o, blocking=False)
-    _train(m, o, batches[3:])
+    train(m, o, None, batches[3:])
     got = pending.wait()
     infinity.close(m)
     assert lent[0] > 0
