@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import infinity  # noqa: E402
 from infinity.api import engine_of  # noqa: E402
+from infinity.checkpoint import layout  # noqa: E402
 from infinity.checkpoint.plan import plan_checkpoint  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
 
@@ -157,9 +158,13 @@ def bench_placement(args, placement: str, root: str) -> dict:
 
     def save_then_load(rep: int):
         path, t_save, rss_save = timed(lambda: infinity.save_checkpoint(ck, m, o, step=rep, keep_last=1))
+        t = time.perf_counter()
+        layout.wait_removals(ck)  # the previous checkpoint, deleted in the background: not beside what is measured
+        prune_s = time.perf_counter() - t
         drop_cache(ck)
         _, t_load, rss_load = timed(lambda: infinity.load_checkpoint(ck, m, o))
-        return {"path": path, "save_s": t_save, "save_rss": rss_save, "load_s": t_load, "load_rss": rss_load}
+        return {"path": path, "save_s": t_save, "save_rss": rss_save, "load_s": t_load, "load_rss": rss_load,
+                "prune_s": prune_s}
     runs = []
     for rep in range(args.repeats):  # the disk drifts: each pair of runs with the raw bandwidth around it
         run, raw = raw_around(root, est, lambda: save_then_load(rep))
@@ -221,6 +226,8 @@ def report(rows) -> bool:
                   f" / {a['read']:.2f}, copy {b['copy']:.2f} / {a['copy']:.2f} GB/s")
             print(f"    save_checkpoint {run['save_s']:6.2f} s = {sw:.2f} GB/s = {x[0]:.2f}x raw write, {x[1]:.2f}x raw"
                   f" copy; peak RSS +{run['save_rss'] / 2**20:.0f} MiB (host_memory {r['host_memory'] / 2**20:.0f} MiB)")
+            if run["prune_s"] > 0.005:
+                print(f"    (the previous checkpoint's deletion went on {run['prune_s']:.2f} s after the save returned)")
             print(f"    load_checkpoint {run['load_s']:6.2f} s = {lr:.2f} GB/s = {x[2]:.2f}x raw read, {x[3]:.2f}x raw"
                   f" copy; peak RSS +{run['load_rss'] / 2**20:.0f} MiB")
         med = [statistics.median(x[i] for x in ratios) for i in range(4)]

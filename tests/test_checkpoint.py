@@ -176,6 +176,9 @@ def test_layout_latest_and_keep_last(tmp_path):
         train(m, o, None, batches[i:i + 1])
         paths.append(infinity.save_checkpoint(tmp_path / "ck", m, o, keep_last=2))
     assert [p.name for p in paths] == [layout.step_dir_name(k) for k in (1, 2, 3, 4)]
+    visible = [n for n in os.listdir(tmp_path / "ck") if not n.startswith(".")]
+    assert sorted(visible) == [layout.step_dir_name(3), layout.step_dir_name(4)]  # the older ones gone at once
+    layout.wait_removals(str(tmp_path / "ck"))  # and deleted in the background
     assert sorted(os.listdir(tmp_path / "ck")) == [layout.step_dir_name(3), layout.step_dir_name(4)]
     files = sorted(os.listdir(paths[-1]))
     assert files == ["manifest.json", "model-00001-of-00001.safetensors", "optimizer-00001-of-00001.safetensors"]

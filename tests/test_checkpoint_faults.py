@@ -65,6 +65,7 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint(tmp_path, point, nth)
     # The next save cleans the partial folder up.
     train(m, o, None, data(3)[2:])
     infinity.save_checkpoint(tmp_path / "ck", m, o)
+    layout.wait_removals(str(tmp_path / "ck"))  # (deleted in the background)
     assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(".")]
     infinity.close(m)
 

@@ -9,7 +9,13 @@ under a temporary name, fsynced, renamed), fsyncs the folder, renames it to
 is named ``step-<N>`` and holds a manifest that parses, so a kill at any
 point leaves the previous checkpoints as they were and never makes a partial
 one the newest. Old checkpoints (``keep_last``) and partial folders of dead
-savers are removed only after the new one is complete.
+savers are removed only after the new one is complete: each is renamed to a
+hidden ``.removing-*`` name (no longer a checkpoint, at once) and deleted on
+a thread, because unlinking a checkpoint's files took 0.23-0.27 s a GB on
+the development machine's ext4 (a fifth of a save), time the training need
+not wait for. The next save into the folder waits for those deletions
+first (their space counts); a kill in the middle leaves a hidden folder the
+next prune removes.
 """
 
 from __future__ import annotations
@@ -18,14 +24,19 @@ import json
 import os
 import re
 import shutil
-from typing import List, Optional, Tuple
+import threading
+import uuid
+from typing import Dict, List, Optional, Tuple
 
 __all__ = ["MANIFEST", "FORMAT_VERSION", "step_dir_name", "partial_dir", "commit", "complete_checkpoints",
-           "resolve", "prune", "fsync_dir", "write_json_atomic"]
+           "resolve", "prune", "fsync_dir", "write_json_atomic", "wait_removals"]
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _STEP = re.compile(r"step-(\d+)$")
+_REMOVING = ".removing-"
+_removals: Dict[str, List[threading.Thread]] = {}  # checkpoint folder -> its deletions under way
+_removals_lock = threading.Lock()
 
 
 def step_dir_name(step: int) -> str:
@@ -70,7 +81,7 @@ def commit(root: str, partial: str, step: int) -> str:
     os.rename(partial, final)
     fsync_dir(root)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_later(root, old)
     return final
 
 
@@ -117,16 +128,40 @@ def resolve(path: str) -> str:
 
 def prune(root: str, keep_last: Optional[int], keep: str) -> List[str]:
     """Removes complete checkpoints beyond the newest ``keep_last`` (never
-    ``keep``) and partial folders left by earlier saves; returns what went."""
+    ``keep``) and partial folders left by earlier saves; returns what went
+    (gone from the folder at once, deleted in the background: see the note)."""
     gone = []
     for name in os.listdir(root):
-        if name.startswith(".step-") and name.endswith((".partial", ".replaced")):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if name.startswith(_REMOVING) or (name.startswith(".step-") and name.endswith((".partial", ".replaced"))):
+            remove_later(root, os.path.join(root, name))
             gone.append(name)
     if keep_last is not None:
         done = complete_checkpoints(root)
         for _, path in done[:max(0, len(done) - keep_last)]:
             if os.path.abspath(path) != os.path.abspath(keep):
-                shutil.rmtree(path, ignore_errors=True)
+                remove_later(root, path)
                 gone.append(os.path.basename(path))
     return gone
+
+
+def remove_later(root: str, path: str) -> None:
+    """Renames ``path`` (a folder in ``root``) to a hidden name of its own
+    and deletes it on a thread (:func:`wait_removals` waits for it)."""
+    hidden = os.path.join(root, f"{_REMOVING}{uuid.uuid4().hex}")
+    try:
+        os.rename(path, hidden)
+    except FileNotFoundError:
+        return
+    t = threading.Thread(target=shutil.rmtree, args=(hidden,), kwargs={"ignore_errors": True},
+                         name="infinity-ckpt-prune")  # not a daemon: an exiting process finishes it
+    with _removals_lock:
+        _removals.setdefault(os.path.abspath(root), []).append(t)
+    t.start()
+
+
+def wait_removals(root: str) -> None:
+    """Waits until the deletions :func:`prune` started in ``root`` are done."""
+    with _removals_lock:
+        threads = _removals.pop(os.path.abspath(root), [])
+    for t in threads:
+        t.join()
