@@ -71,17 +71,24 @@ def _run_case(rank, world, case, out_dir, which, k) -> None:
 
 
 def _count_reads() -> list:
-    """From now on, the tensor bytes this rank reads from checkpoints ([0])."""
+    """From now on, the tensor bytes this rank reads from checkpoints ([0]),
+    through either of DirectReader's reads."""
     from infinity.checkpoint.direct_stream import DirectReader
     count = [0]
-    orig = getattr(DirectReader.read_into, "__wrapped__", DirectReader.read_into)
+    read_into = getattr(DirectReader.read_into, "__wrapped__", DirectReader.read_into)
+    submit = getattr(DirectReader.submit, "__wrapped__", DirectReader.submit)
 
-    def read_into(self, offset, dst):
-        got = orig(self, offset, dst)
+    def counted_read_into(self, offset, dst):
+        got = read_into(self, offset, dst)
         count[0] += got
         return got
-    read_into.__wrapped__ = orig
-    DirectReader.read_into = read_into
+
+    def counted_submit(self, offset, dst):
+        pending = submit(self, offset, dst)
+        count[0] += pending.nbytes
+        return pending
+    counted_read_into.__wrapped__, counted_submit.__wrapped__ = read_into, submit
+    DirectReader.read_into, DirectReader.submit = counted_read_into, counted_submit
     return count
 
 

@@ -37,6 +37,31 @@ def _spy_lent(monkeypatch) -> list:
     return lent
 
 
+def test_the_write_queue_never_holds_more_than_its_depth(tmp_path):
+    """Lent writes not settled (a save of resident state settles only at the
+    end) sit in the queue beside block writes: where only a lent one has
+    finished, the queue still waits until a block is free (one ran out of
+    blocks: StopIteration in a save)."""
+    from concurrent.futures import Future
+    s = direct_stream.DirectStream(str(tmp_path / "f.bin"))
+    try:
+        done = Future()
+        done.set_result(None)
+        slow = [Future() for _ in range(direct_stream.WRITE_DEPTH + 1)]
+        s._pending.extend([(i, f) for i, f in enumerate(slow)] + [(-1, done)])  # 9 blocks and a lent write
+        t = __import__("threading").Timer(0.2, lambda: slow[3].set_result(None))
+        t.start()
+        s._reap(direct_stream.WRITE_DEPTH)
+        assert len(s._pending) <= direct_stream.WRITE_DEPTH
+        assert {i for i, _ in s._pending} != set(range(direct_stream.WRITE_DEPTH + 1))  # a block is free
+        for f in slow:
+            if not f.done():
+                f.set_result(None)
+        s._pending.clear()
+    finally:
+        s.abort()
+
+
 def test_lent_and_copied_bytes_round_trip_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(direct_stream, "BLOCK", 16 << 10)
     lent = _spy_lent(monkeypatch)

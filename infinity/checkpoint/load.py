@@ -22,7 +22,8 @@ import torch
 from . import layout, rng
 from .plan import Plan, plan_checkpoint
 from .direct_stream import DirectReader
-from .safetensors_io import CorruptCheckpointError, read_header, read_range, read_tensor, record_dtype
+from .safetensors_io import (CorruptCheckpointError, TensorRead, read_header, read_tensor, record_dtype, start_range,
+                             start_tensor)
 from .unit_loads import UnitLoads
 
 __all__ = ["load_checkpoint", "verify_checkpoint", "read_manifest"]
@@ -161,20 +162,25 @@ class _Files:
         for f in self._open.values():
             f.close()
 
-    def read(self, rec: dict, dtype: torch.dtype, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        fname = rec["file"]
+    def _reader(self, fname: str) -> DirectReader:
         f = self._open.get(fname)
         if f is None:
             f = self._open[fname] = DirectReader(os.path.join(self.ckpt, fname))
-        return read_tensor(f, os.path.join(self.ckpt, fname), rec, dtype, shape, out)
+        return f
 
-    def read_range(self, rec: dict, dtype: torch.dtype, start: int, stop: int, out: torch.Tensor) -> None:
-        """Elements ``start:stop`` of a tensor into ``out``, reading only the chunks they touch."""
-        fname = rec["file"]
-        f = self._open.get(fname)
-        if f is None:
-            f = self._open[fname] = DirectReader(os.path.join(self.ckpt, fname))
-        read_range(f, os.path.join(self.ckpt, fname), rec, dtype, start, stop, out)
+    def read(self, rec: dict, dtype: torch.dtype, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A tensor, read ahead (for reading a file front to back) and checked."""
+        return read_tensor(self._reader(rec["file"]), os.path.join(self.ckpt, rec["file"]), rec, dtype, shape, out)
+
+    def start(self, rec: dict, dtype: torch.dtype, shape, out: torch.Tensor) -> TensorRead:
+        """A tensor's read into ``out`` started (safetensors_io.start_tensor): ``wait()`` checks it."""
+        return start_tensor(self._reader(rec["file"]), os.path.join(self.ckpt, rec["file"]), rec, dtype, shape, out)
+
+    def start_range(self, rec: dict, dtype: torch.dtype, start: int, stop: int, out: torch.Tensor):
+        """Elements ``start:stop`` of a tensor into ``out``, reading only the
+        chunks they touch (safetensors_io.start_range): ``wait()`` checks them."""
+        return start_range(self._reader(rec["file"]), os.path.join(self.ckpt, rec["file"]), rec, dtype, start, stop,
+                           out)
 
 
 def _write_unit(eng, staged, plan: Plan, m: dict, scratch) -> None:

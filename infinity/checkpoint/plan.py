@@ -182,6 +182,18 @@ class UnitReader:
             self._read_next(key)
         return self._buf[s.offset:s.offset + s.numel].view(s.shape)
 
+    @property
+    def resident(self) -> bool:
+        """Whether the buffer the last slice came from is the unit's resident
+        optimizer state itself (optstate.resident_view), not a copy: it holds
+        still until the next update, so a write still reading it need not be
+        waited for when the next buffer is taken (a temporary or pool buffer
+        may be recycled then)."""
+        if self._key is None or self._buf is None or self._key[1] == "compute":
+            return False
+        r = self.eng.optstate.resident_view(self._units[self._key], self._key[1])
+        return r is not None and r.data_ptr() == self._buf.data_ptr()
+
     def _take(self, key: tuple) -> torch.Tensor:
         if self._ahead is not None:
             k, fut = self._ahead

@@ -24,10 +24,11 @@ import torch
 
 from ..io.engine import crc32c
 from .chunk_sums import chunk_sums, combine_chunks
-from .direct_stream import DirectStream
+from .direct_stream import DirectStream, aligned_empty
 
 __all__ = ["DTYPES", "Entry", "nbytes", "split_shards", "ShardWriter", "read_tensor", "read_range", "read_header",
-           "CorruptCheckpointError", "CHUNK_BYTES", "record_dtype"]
+           "CorruptCheckpointError", "CHUNK_BYTES", "record_dtype", "start_tensor", "start_range", "TensorRead",
+           "page_phase"]
 
 DTYPES: Dict[torch.dtype, str] = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -163,15 +164,62 @@ def read_header(path: str) -> Tuple[dict, int]:
 def read_tensor(f, path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int],
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reads the tensor of manifest record ``rec`` from ``f`` (a
-    :class:`~.direct_stream.DirectReader` of ``path``) into ``out`` (or a new CPU tensor) and checks its CRC32C."""
+    :class:`~.direct_stream.DirectReader` of ``path``, read ahead: for
+    reading a file front to back) into ``out`` (or a new CPU tensor) and checks its CRC32C."""
+    t = _target(path, rec, dtype, shape, out)
+    if rec["length"]:
+        _check_tensor(path, rec, t, f.read_into(rec["offset"], t))
+    return t
+
+
+class TensorRead:
+    """A tensor being read (:func:`start_tensor`): :meth:`wait` checks it and returns it."""
+
+    def __init__(self, path: str, rec: dict, t: torch.Tensor, pending=None):
+        self.path, self.rec, self.t, self._pending = path, rec, t, pending
+
+    def wait(self) -> torch.Tensor:
+        """The tensor, its length and CRC32C checked (raises CorruptCheckpointError)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            _check_tensor(self.path, self.rec, self.t, pending.result())
+        return self.t
+
+
+def start_tensor(f, path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int],
+                 out: Optional[torch.Tensor] = None) -> TensorRead:
+    """Starts reading the tensor of ``rec`` straight into ``out`` (or a new
+    CPU tensor) through ``f.submit``: several reads started before the first
+    is waited for keep the disk busy. ``out`` is not to be touched until
+    :meth:`TensorRead.wait`."""
+    if out is None:
+        es = torch.empty(0, dtype=dtype).element_size()
+        out = aligned_empty(nbytes(dtype, shape), page_phase(rec["offset"], es)).view(dtype).view(tuple(shape))
+    t = _target(path, rec, dtype, shape, out)
+    return TensorRead(path, rec, t, f.submit(rec["offset"], t) if rec["length"] else None)
+
+
+def page_phase(offset: int, es: int) -> int:
+    """Where in its page a buffer to read file ``offset`` into should start
+    (read straight, not bounced: DirectReader.submit), as long as the
+    elements of ``es`` bytes stay aligned; else 0."""
+    p = offset % 4096
+    return p if p % es == 0 else 0
+
+
+def _target(path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int], out: Optional[torch.Tensor]):
+    """``out`` (or a new tensor) after checking that it has the record's length in bytes."""
     n = rec["length"]
     t = out if out is not None else torch.empty(tuple(shape), dtype=dtype)
     if t.numel() * t.element_size() != n:
         raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} has {n} bytes in the manifest, "
                                      f"{t.numel() * t.element_size()} for shape {tuple(shape)} {dtype}")
-    if n == 0:
-        return t
-    got = f.read_into(rec["offset"], t)  # a DirectReader
+    return t
+
+
+def _check_tensor(path: str, rec: dict, t: torch.Tensor, got: int) -> None:
+    """Checks that all of ``rec``'s bytes were read into ``t`` and their CRC32C (chunk by chunk where it has chunks)."""
+    n = rec["length"]
     if got != n:
         raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset']}: {got} of {n} bytes "
                                      "present (file truncated)")
@@ -182,7 +230,17 @@ def read_tensor(f, path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int
     if crc != rec["crc32c"]:
         raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset']} ({n} bytes): "
                                      f"CRC32C {crc:#010x}, the manifest says {rec['crc32c']:#010x} (corrupt file)")
-    return t
+
+
+def start_range(f, path: str, rec: dict, dtype: torch.dtype, start: int, stop: int, out: torch.Tensor):
+    """:func:`read_range`, started: where the range is the whole tensor and
+    ``out`` can take it, a :class:`TensorRead` straight into ``out``; else the
+    range is read now (the handle returned is done). Call ``wait()`` on it."""
+    es = torch.empty(0, dtype=dtype).element_size()
+    if start == 0 and stop * es == rec["length"] and out.is_contiguous() and out.dtype == dtype:
+        return start_tensor(f, path, rec, dtype, (stop,), out.view(-1))
+    read_range(f, path, rec, dtype, start, stop, out)
+    return TensorRead(path, rec, out)
 
 
 def read_range(f, path: str, rec: dict, dtype: torch.dtype, start: int, stop: int, out: torch.Tensor) -> None:
@@ -194,15 +252,15 @@ def read_range(f, path: str, rec: dict, dtype: torch.dtype, start: int, stop: in
     whole = start == 0 and stop * es == rec["length"]
     if chunks is None or whole:
         into = whole and out.is_contiguous() and out.dtype == dtype  # straight into out, no temporary
-        full = read_tensor(f, path, rec, dtype, (rec["length"] // es,), out.view(-1) if into else None)
+        full = start_tensor(f, path, rec, dtype, (rec["length"] // es,), out.view(-1) if into else None).wait()
         if not into:
             out.copy_(full[start:stop])
         return
     c = chunks["bytes"]
     first, last = start * es // c, -(-stop * es // c)
     lo, hi = first * c, min(last * c, rec["length"])
-    buf = torch.empty(hi - lo, dtype=torch.uint8)
-    got = f.read_into(rec["offset"] + lo, buf)
+    buf = aligned_empty(hi - lo, page_phase(rec["offset"] + lo, es))
+    got = f.submit(rec["offset"] + lo, buf).result()
     if got != hi - lo:
         raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset'] + lo}: {got} of "
                                      f"{hi - lo} bytes present (file truncated)")

@@ -106,6 +106,7 @@ def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optiona
     partial = layout.partial_dir(root, step)
     if writer:
         os.makedirs(root, mode=0o700, exist_ok=True)
+        layout.wait_removals(root)  # the last save's pruned checkpoints: their space counts
         shutil.rmtree(partial, ignore_errors=True)
         _check_space(root, plan)
         os.mkdir(partial, 0o700)
@@ -248,15 +249,16 @@ def _write_files(eng, stream, folder: Optional[str], records: Dict[str, dict],
     failure: list = [None]
     by_prefix = {p: [it for q, it in stream if q == p] for p in ("model", "optimizer")}
     files = {p: _Shards(p, items, folder, records, failure) for p, items in by_prefix.items()}
-    held = None  # the unit buffer the last tensors came from: writes may still read it
+    held, resident = None, False  # the unit buffer the last tensors came from (writes may still read it)
     try:
         for prefix, (name, _, _, source) in stream:
             key = (source.u.index, source.kind) if isinstance(source, SlotSource) else None
-            if key is None or key != held:  # the reader drops (or recycles) that buffer now
+            if (key is None or key != held) and not resident:  # the reader drops (or recycles) that buffer now
                 for f in files.values():
                     f.settle()
             held = key
             t = eng_guarded(eng, source)
+            resident = key is not None and source.reader.resident  # held still: nothing to wait for
             files[prefix].write(name, t)
             if on_item is not None:  # the unit's state may change after this (a background save's fence)
                 files[prefix].settle()

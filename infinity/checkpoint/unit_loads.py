@@ -18,7 +18,10 @@ their weights sit in the files (a save writes them in update order), so
 each file is read front to back. Reads take no collective, so under ZeRO
 the thread is safe; the writes (which may) stay on the caller's thread, in
 that same order on every rank. At ZeRO-3 a rank reads only the ranges of
-the weights its shards keep (moments likewise at every stage).
+the weights its shards keep (moments likewise at every stage). A unit's
+reads are all started before the first is waited for, each staged tensor
+placed at its file offset's phase within a page, so that the bytes go
+straight into it ([Note: reads into their destination]).
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .safetensors_io import nbytes, record_dtype
+from .direct_stream import aligned_empty
+from .safetensors_io import nbytes, page_phase, record_dtype
 
 __all__ = ["UnitLoads", "StagedUnit", "AHEAD_BYTES"]
 
 AHEAD_BYTES = 256 << 20  # a unit's staged tensors up to this size: the next unit is read ahead
 _ALIGN = 64  # bytes between staged tensors (any dtype's alignment)
+_PAGE = 4096  # a staged tensor starts where its page phase is its file offset's (read straight: submit)
 KINDS = ("exp_avg", "exp_avg_sq")
 
 
@@ -44,6 +49,19 @@ def _aligned(n: int) -> int:
 
 def _nbytes(rec: dict, s) -> int:
     return nbytes(record_dtype(rec), s.shape)
+
+
+def _wait_all(reads: list, quiet: bool = False) -> None:
+    """Waits for (and checks) every read, then raises the first error (none
+    where ``quiet``): no read still writes into a buffer once the load has failed."""
+    err = None
+    for r in reads:
+        try:
+            r.wait()
+        except (OSError, ValueError) as e:  # CorruptCheckpointError is a ValueError
+            err = err or e
+    if err is not None and not quiet:
+        raise err
 
 
 @dataclass
@@ -68,8 +86,8 @@ class _Set:
 
     def __init__(self, value_bytes: int, moment_numel: int, apart: bool):
         n = value_bytes if apart else max(value_bytes, 4 * moment_numel)
-        self.vals = torch.empty(_aligned(n), dtype=torch.uint8)
-        self.moments = {k: torch.empty(moment_numel) for k in KINDS} if apart else None
+        self.vals = aligned_empty(_aligned(n))
+        self.moments = {k: aligned_empty(4 * moment_numel).view(torch.float32) for k in KINDS} if apart else None
         self.shared = None if apart else self.vals.view(torch.float32)
 
 
@@ -119,7 +137,8 @@ class UnitLoads:
         return self.tensors.get(name if kind is None else f"{kind}.{name}")
 
     def _value_bytes(self, u) -> int:
-        return sum(_aligned(_nbytes(r, s)) for s, r in ((s, self._rec(s)) for s in u.layout.slots) if r is not None)
+        return sum(_PAGE + _aligned(_nbytes(r, s)) for s, r in ((s, self._rec(s)) for s in u.layout.slots)
+                   if r is not None)
 
     def __enter__(self) -> "UnitLoads":
         return self
@@ -157,8 +176,19 @@ class UnitLoads:
             yield staged
 
     def _read(self, u, st: _Set) -> StagedUnit:
-        """``u``'s values and (this rank's range of) its moments into ``st``."""
-        out = StagedUnit(u)
+        """``u``'s values and (this rank's range of) its moments into ``st``:
+        every read started, then each waited for and checked in turn."""
+        out, reads = StagedUnit(u), []
+        try:
+            self._start(u, st, out, reads)
+        except BaseException:
+            _wait_all(reads, quiet=True)  # the reads already started end before the error leaves
+            raise
+        _wait_all(reads)
+        return out
+
+    def _start(self, u, st: _Set, out: StagedUnit, reads: list) -> None:
+        """Starts the reads of ``u``'s tensors into ``st`` (or in place), adding them to ``reads``."""
         off, ranges = 0, self._own_ranges(u)
         direct = {k: self.eng.optstate.resident_view(u, k) for k in ("master",) + KINDS}
         for i, s in enumerate(u.layout.slots):
@@ -169,22 +199,23 @@ class UnitLoads:
                 if s.trainable and direct["master"] is not None and dtype is torch.float32:
                     view = direct["master"][s.offset:s.offset + s.numel].view(s.shape)  # in place
                 else:
+                    es = torch.empty(0, dtype=dtype).element_size()
+                    off += (page_phase(rec["offset"], es) - off) % _PAGE
                     view = st.vals[off:off + n].view(dtype).view(s.shape)
                     off += _aligned(n)
                 if ranges is None:
-                    self.files.read(rec, dtype, s.shape, view)
+                    reads.append(self.files.start(rec, dtype, s.shape, view))
                 else:
-                    self._read_ranges(rec, s, ranges, view.view(-1))
+                    reads += self._read_ranges(rec, s, ranges, view.view(-1))
                 out.values[i] = view
         tn = u.place.trainable_numel
         for kind in KINDS if tn else ():
             if direct[kind] is not None:
-                out.moments[kind] = self._read_moments(u, kind, direct[kind])
+                out.moments[kind] = self._start_moments(u, kind, direct[kind], reads)
             elif st.moments is not None:
-                out.moments[kind] = self._read_moments(u, kind, st.moments[kind][:tn])
+                out.moments[kind] = self._start_moments(u, kind, st.moments[kind][:tn], reads)
         if tn and len(out.moments) < len(KINDS):
             out.read_later = lambda kind: self._read_moments(u, kind, st.shared[:tn])
-        return out
 
     def _own_ranges(self, u) -> Optional[List[Tuple[int, int]]]:
         """ZeRO-3 on several ranks: the element ranges of ``u``'s buffers this
@@ -196,18 +227,34 @@ class UnitLoads:
             return None
         return eng.sharding.own_param_ranges(u.place.compute_numel, u.place.trainable_numel)
 
-    def _read_ranges(self, rec: dict, s, ranges, flat: torch.Tensor) -> None:
-        """The parts of slot ``s``'s tensor inside ``ranges`` (unit elements)
-        into ``flat`` (the slot's staged values); the rest is left as it is."""
+    def _read_ranges(self, rec: dict, s, ranges, flat: torch.Tensor) -> list:
+        """Starts reading the parts of slot ``s``'s tensor inside ``ranges``
+        (unit elements) into ``flat`` (the slot's staged values; the rest is
+        left as it is); returns the reads to wait for."""
+        reads = []
         for a, b in ranges:
             x, y = max(a, s.offset), min(b, s.offset + s.numel)
             if x < y:
-                self.files.read_range(rec, record_dtype(rec), x - s.offset, y - s.offset, flat[x - s.offset:y - s.offset])
+                reads.append(self.files.start_range(rec, record_dtype(rec), x - s.offset, y - s.offset,
+                                                    flat[x - s.offset:y - s.offset]))
+        return reads
 
     def _read_moments(self, u, kind: str, full: torch.Tensor) -> torch.Tensor:
-        """Each rank keeps only its shard of the moments: it reads only that
-        range of each tensor (checked chunk by chunk; see read_range); a
-        tensor the checkpoint lacks (strict=False) and the gaps between slots are zeros."""
+        """The ``kind`` moment of ``u`` into ``full``, read and checked now (see _start_moments)."""
+        reads: list = []
+        try:
+            self._start_moments(u, kind, full, reads)
+        except BaseException:
+            _wait_all(reads, quiet=True)
+            raise
+        _wait_all(reads)
+        return full
+
+    def _start_moments(self, u, kind: str, full: torch.Tensor, reads: list) -> torch.Tensor:
+        """Each rank keeps only its shard of the moments: starts reading only
+        that range of each tensor (checked chunk by chunk; see read_range)
+        into ``full``, adding the reads to wait for to ``reads``; a tensor the
+        checkpoint lacks (strict=False) and the gaps between slots are zeros."""
         lo, hi = self.eng.sharding.shard(u.place.trainable_numel)
         u.layout.zero_padding(full, u.layout.trainable_slots)
         for s in u.layout.trainable_slots:
@@ -218,5 +265,5 @@ class UnitLoads:
             if rec is None:
                 full[a:b].zero_()
             else:
-                self.files.read_range(rec, torch.float32, a - s.offset, b - s.offset, full[a:b])
+                reads.append(self.files.start_range(rec, torch.float32, a - s.offset, b - s.offset, full[a:b]))
         return full
