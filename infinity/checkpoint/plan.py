@@ -50,8 +50,9 @@ class Plan:
         writes them: unit by unit, each unit's weights then its moments (its
         tensors are spread over the two files but written together, so a
         background save releases a unit soon: [Note: a background save]), in
-        the order the units' updates come (last unit first with
-        overlap="backward"); the buffers last. Each file holds its tensors
+        the order the units' updates came in the last step (last unit first
+        with overlap="backward" unless clipping or fp16 hold the updates
+        until ``step()``); the buffers last. Each file holds its tensors
         in this order."""
         rank = {u.index: k for k, u in enumerate(self.update_order())}
 
@@ -63,9 +64,13 @@ class Plan:
         return [(prefix, it) for *_, prefix, it in sorted(tagged, key=lambda t: t[:3])]
 
     def update_order(self) -> list:
-        """The units in the order the optimizer updates them."""
-        units = list(self.eng.units)
-        return units[::-1] if self.eng.config.overlap == "backward" else units
+        """Every unit: the trainable ones in the order the optimizer's
+        schedule expects to update them next (the last step's order), then
+        the frozen ones in program order."""
+        sched = self.eng.schedule
+        first = sched.update_order() if sched is not None else []
+        seen = {u.index for u in first}
+        return first + [u for u in self.eng.units if u.index not in seen]
 
     def param_steps(self) -> Dict[str, int]:
         return {self.names[id(s.param)]: int(s.step) for u in self.eng.units for s in u.layout.trainable_slots}

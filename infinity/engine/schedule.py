@@ -56,6 +56,7 @@ class StepSchedule:
         self._running: "OrderedDict[int, object]" = OrderedDict()  # unit index -> update in flight
         self._closing = False           # this backward ran last-window work
         self._root_read = None          # host job reading the root's state ahead (NVMe)
+        self._last_order: List[int] = []  # unit indices in the order the last step's updates were queued
         # Gradients go through a reduction under data parallelism, and under
         # any ZeRO stage even for one rank: it fills the shard the update reads.
         self.needs_reduce = parts.sharding.world > 1 or parts.modes.zero > 0
@@ -115,6 +116,20 @@ class StepSchedule:
                 return True
         return False
 
+    def update_order(self) -> list:
+        """The trainable units in the order the next step is expected to
+        update them: the order the last step's updates were queued (what a
+        background checkpoint writes first: [Note: a background save]), or
+        before any step :meth:`_first_order`."""
+        units = self.p.units
+        order = [units[i] for i in self._last_order if i < len(units)]
+        want = [u for u in units if u.place.trainable]
+        return order if len(order) == len(want) else self._first_order(want)
+
+    def _first_order(self, trainable: list) -> list:
+        """The update order before any step was seen: program order."""
+        return trainable
+
     # -- the step -----------------------------------------------------------------------
 
     def step(self, scaling) -> None:
@@ -143,6 +158,7 @@ class StepSchedule:
         if not skip:
             self._update_all(todo, scale)
             p.stats.steps += 1
+            self._last_order = list(self._running) + [u.index for u in todo]
         for u in p.units:
             p.gradients.consume(u)
         self._running = OrderedDict()
@@ -258,6 +274,12 @@ class BackwardSchedule(StepSchedule):
     """Each unit's update runs on the host thread during the window's last
     backward, as soon as its gradients are complete (see [Note: when the
     optimizer runs])."""
+
+    def _first_order(self, trainable: list) -> list:
+        """Before any step was seen: the units complete their gradients
+        roughly in reverse program order (in ``step()`` where updates may not
+        run early: clipping, fp16)."""
+        return trainable[::-1] if self.early_ok else trainable
 
     def _start_early(self, u) -> bool:
         p = self.p
