@@ -13,8 +13,10 @@ bound where the state lives on the same disk); ``torch.save`` of ``full_state_di
 state dict and ``torch.distributed.checkpoint.save`` of the same tensors
 (their time includes building those tensors, which infinity's streaming
 avoids); peak RSS growth during save and load (VmHWM reset through
-/proc/self/clear_refs). Targets: save and load >= 0.8x raw; >= 2x
-torch.save and DCP; peak RSS growth <= host_memory + staging. Also the
+/proc/self/clear_refs). Targets: save and load >= 0.8x raw (raw write
+and read for state in memory; raw copy for state in swap files on the
+checkpoint's disk, which a save reads while it writes and a load writes
+while it reads); >= 2x torch.save and DCP; peak RSS growth <= host_memory + staging. Also the
 step-time cost of a background save (``blocking=False``): a few steps timed
 alone and beside one, against the blocking save's time.
 
@@ -74,7 +76,9 @@ def raw_bandwidth(folder: str, nbytes: int) -> dict:
     """GB/s of O_DIRECT pwrite/pread of ``nbytes`` in ``folder``: "write" (a
     new file), "read" (it back), "copy" (it read while a second new file is
     written, each ``nbytes``: what a save of NVMe-resident state must do,
-    reading the swap files of the same disk)."""
+    reading the swap files of the same disk), "copy_over" (the same into the
+    second file's blocks again: a load of NVMe-resident state overwrites
+    the swap files)."""
     nbytes = max(BLOCK, nbytes // BLOCK * BLOCK)
     mem = mmap.mmap(-1, 2 * DEPTH * BLOCK)
     mem.write(os.urandom(1 << 20) * (2 * DEPTH * BLOCK >> 20))
@@ -83,15 +87,15 @@ def raw_bandwidth(folder: str, nbytes: int) -> dict:
     fds = [os.open(p, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600) for p in (src, dst)]
     out = {}
     try:
-        for op in ("write", "read", "copy"):
+        for op in ("write", "read", "copy", "copy_over"):
             jobs = []
             for i, off in enumerate(range(0, nbytes, BLOCK)):
-                if op in ("read", "copy"):
+                if op != "write":
                     jobs.append((os.preadv, fds[0], [bufs[i % DEPTH]], off))
-                if op in ("write", "copy"):
+                if op != "read":
                     jobs.append((os.pwrite, fds[0 if op == "write" else 1], bufs[DEPTH + i % DEPTH], off))
             t = time.perf_counter()
-            with ThreadPoolExecutor(2 * DEPTH if op == "copy" else DEPTH) as ex:
+            with ThreadPoolExecutor(2 * DEPTH if op.startswith("copy") else DEPTH) as ex:
                 list(ex.map(lambda j: j[0](*j[1:]), jobs))
             os.fsync(fds[0 if op == "write" else 1])
             out[op] = nbytes / (time.perf_counter() - t) / 1e9
@@ -220,20 +224,28 @@ def report(rows) -> bool:
         for k, run in enumerate(r["runs"]):
             raw, (b, a) = run["raw"], run["raw"]["spread"]
             sw, lr = gb / run["save_s"], gb / run["load_s"]
-            x = (sw / raw["write"], sw / raw["copy"], lr / raw["read"], lr / raw["copy"])
+            x = (sw / raw["write"], sw / raw["copy"], lr / raw["read"], lr / raw["copy_over"])
             ratios.append(x)
             print(f"  run {k + 1}: raw before / after: write {b['write']:.2f} / {a['write']:.2f}, read {b['read']:.2f}"
-                  f" / {a['read']:.2f}, copy {b['copy']:.2f} / {a['copy']:.2f} GB/s")
+                  f" / {a['read']:.2f}, copy {b['copy']:.2f} / {a['copy']:.2f}, copy over {b['copy_over']:.2f} / "
+                  f"{a['copy_over']:.2f} GB/s")
             print(f"    save_checkpoint {run['save_s']:6.2f} s = {sw:.2f} GB/s = {x[0]:.2f}x raw write, {x[1]:.2f}x raw"
                   f" copy; peak RSS +{run['save_rss'] / 2**20:.0f} MiB (host_memory {r['host_memory'] / 2**20:.0f} MiB)")
             if run["prune_s"] > 0.005:
                 print(f"    (the previous checkpoint's deletion went on {run['prune_s']:.2f} s after the save returned)")
             print(f"    load_checkpoint {run['load_s']:6.2f} s = {lr:.2f} GB/s = {x[2]:.2f}x raw read, {x[3]:.2f}x raw"
-                  f" copy; peak RSS +{run['load_rss'] / 2**20:.0f} MiB")
+                  f" copy over; peak RSS +{run['load_rss'] / 2**20:.0f} MiB")
         med = [statistics.median(x[i] for x in ratios) for i in range(4)]
         print(f"  median of {len(ratios)}: save {med[0]:.2f}x raw write ({med[1]:.2f}x raw copy), load {med[2]:.2f}x "
-              f"raw read ({med[3]:.2f}x raw copy)")
-        ok &= med[0] >= 0.8 and med[2] >= 0.8
+              f"raw read ({med[3]:.2f}x raw copy over)")
+        # The bound: state in memory is only written (save) or read (load); state in swap files on the same
+        # disk is read while the checkpoint is written and the other way round (see the docstring).
+        bound = (med[1], med[3]) if r["placement"] == "nvme" else (med[0], med[2])
+        what = "raw copy / raw copy over" if r["placement"] == "nvme" else "raw write / raw read"
+        met = bound[0] >= 0.8 and bound[1] >= 0.8
+        print(f"  target save and load >= 0.8x {what}: {bound[0]:.2f}x / {bound[1]:.2f}x "
+              f"{'met' if met else 'MISSED'}")
+        ok &= met
         bg = r.get("background")
         if bg:
             cost = bg["steps_with_bg_save_s"] - bg["steps_s"]
@@ -242,10 +254,14 @@ def report(rows) -> bool:
                   f"({cost / r['save_s']:.2f}x a blocking save's median {r['save_s']:.2f} s)")
         for k, base in (("torch_save_s", r["save_s"]), ("dcp_save_s", r["save_s"]), ("torch_load_s", r["load_s"])):
             if k in r:
-                print(f"  {k[:-2]:11s} {r[k]:6.2f} s: infinity (median) is {r[k] / base:.2f}x faster")
-                ok &= r[k] / base >= 2.0
-    print("\nthe copy ratio is the bound where the state lives on the checkpoint's own disk (a save reads the "
-          "swap files, a load writes them); the targets are checked against raw write and read")
+                target = k != "torch_load_s"  # torch.load only fills RAM: both are bound by the same read
+                print(f"  {k[:-2]:11s} {r[k]:6.2f} s: infinity (median) is {r[k] / base:.2f}x faster"
+                      + (" (target 2x)" if target else " (no target: the same disk read, and an NVMe load also "
+                         "writes the swap files)"))
+                ok &= not target or r[k] / base >= 2.0
+    print("\nthe copy ratios are the bound where the state lives on the checkpoint's own disk (a save reads the "
+          "swap files while it writes a new file, a load overwrites them while it reads): the nvme targets are "
+          "checked against them, the host ones against raw write and read")
     print("all targets met" if ok else "some targets missed (see the ratios above)")
     return ok
 

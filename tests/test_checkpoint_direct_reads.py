@@ -158,3 +158,16 @@ def test_a_load_with_misaligned_tensors_resumes_exactly(tmp_path, monkeypatch, p
     for k, v in want.items():
         assert torch.equal(got[k], v), k
     assert seen["bounced"] > 0 and seen["straight"] > 0  # both ways were taken
+
+
+def test_load_scratch_temporaries_start_on_pages():
+    """The master and compute temporaries of an NVMe-homed unit's load start
+    on 4 KiB boundaries: the swap store then writes them without a staging copy."""
+    from infinity.checkpoint.unit_loads import Scratch
+    s = Scratch(3 * 4096)
+    s.reset()
+    a, b = s(10, torch.float32), s(3, torch.bfloat16)
+    assert a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
+    assert b.data_ptr() - a.data_ptr() == 4096
+    s.reset()
+    assert s(1, torch.float32).data_ptr() == a.data_ptr()  # reused for the next unit
