@@ -70,14 +70,6 @@ def test_train_deepspeed_json(tmp_path, capsys):
     assert f"prefetch_bytes={int(0.9 * 64 * 64) * 4}" in err and "defaults gradient_clipping" not in err
 
 
-def test_checkpoint_absent_is_a_clear_error(tmp_path, monkeypatch, capsys):
-    monkeypatch.delattr(infinity, "save_checkpoint", raising=False)
-    p = run_file(tmp_path, extra='[checkpoint]\ndir = "ckpt"\nevery = 2')
-    assert cli("train", p) == 1
-    assert "not available yet: needs infinity.save_checkpoint (issue 19)" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()  # refused before training
-
-
 def test_checkpoint_calls_and_resume(tmp_path, monkeypatch):
     saved = []
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .common import checkpoint_api
 
 
 def add_parser(sub: Any) -> None:
@@ -30,7 +29,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _consolidate(a) -> int:
-    checkpoint_api("verify_checkpoint")
     from ..checkpoint import consolidate
     files = consolidate(a.ckpt, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size)
     print(f"infinity consolidate: wrote {len(files)} file(s) to {a.out}: {', '.join(files)}")
@@ -38,9 +36,9 @@ def _consolidate(a) -> int:
 
 
 def _verify(a) -> int:
-    from ..checkpoint import CorruptCheckpointError
+    from ..checkpoint import CorruptCheckpointError, verify_checkpoint
     try:
-        info = checkpoint_api("verify_checkpoint")(a.ckpt)
+        info = verify_checkpoint(a.ckpt)
     except (CorruptCheckpointError, FileNotFoundError) as e:
         print(f"infinity verify: FAIL: {e}")
         return 1

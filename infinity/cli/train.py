@@ -19,7 +19,7 @@ import infinity
 
 from ..config import Config
 from ..schedules import Schedule
-from .common import CLIError, UsageError, checkpoint_api
+from .common import CLIError, UsageError
 from .data import Sampler, open_tokens
 from .metrics import Metrics
 from .model import build_model, param_groups
@@ -88,14 +88,11 @@ def run(args: argparse.Namespace) -> int:
     """Runs the command; returns the exit status (0, or 130 when interrupted)."""
     runf = load_run_file(args.config, _overrides(args))
     ck = runf.checkpoint
-    if ck.dir:
-        checkpoint_api("save_checkpoint")
     resume_dir = None
     if args.resume is not None:
         resume_dir = args.resume or ck.dir
         if not resume_dir:
             raise CLIError("--resume needs a directory: give --resume DIR or checkpoint.dir in the run file")
-        checkpoint_api("load_checkpoint")
     return _train(runf, resume_dir)
 
 
