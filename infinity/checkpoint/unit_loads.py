@@ -68,6 +68,20 @@ def _wait_all(reads: list, quiet: bool = False) -> None:
         raise err
 
 
+def _read_all(start: Callable[[list], object]):
+    """``start(reads)``'s result once every read it started (added to
+    ``reads``) has ended and been checked; where ``start`` fails, the reads
+    already started end before its error leaves."""
+    reads: list = []
+    try:
+        out = start(reads)
+    except BaseException:
+        _wait_all(reads, quiet=True)
+        raise
+    _wait_all(reads)
+    return out
+
+
 @dataclass
 class StagedUnit:
     """One unit's tensors from the checkpoint (views of a staging set).
@@ -186,13 +200,8 @@ class UnitLoads:
     def _read(self, u, st: _Set) -> StagedUnit:
         """``u``'s values and (this rank's range of) its moments into ``st``:
         every read started, then each waited for and checked in turn."""
-        out, reads = StagedUnit(u), []
-        try:
-            self._start(u, st, out, reads)
-        except BaseException:
-            _wait_all(reads, quiet=True)  # the reads already started end before the error leaves
-            raise
-        _wait_all(reads)
+        out = StagedUnit(u)
+        _read_all(lambda reads: self._start(u, st, out, reads))
         return out
 
     def _start(self, u, st: _Set, out: StagedUnit, reads: list) -> None:
@@ -249,14 +258,7 @@ class UnitLoads:
 
     def _read_moments(self, u, kind: str, full: torch.Tensor) -> torch.Tensor:
         """The ``kind`` moment of ``u`` into ``full``, read and checked now (see _start_moments)."""
-        reads: list = []
-        try:
-            self._start_moments(u, kind, full, reads)
-        except BaseException:
-            _wait_all(reads, quiet=True)
-            raise
-        _wait_all(reads)
-        return full
+        return _read_all(lambda reads: self._start_moments(u, kind, full, reads))
 
     def _start_moments(self, u, kind: str, full: torch.Tensor, reads: list) -> torch.Tensor:
         """Each rank keeps only its shard of the moments: starts reading only
