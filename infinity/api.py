@@ -10,17 +10,17 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import sysinfo
-from .config import Config
+from .system import sysinfo
+from .config.runtime import Config
 from .engine.core import Engine
-from .engine.hooks import install_hooks
+from .engine.model.hooks import install_hooks
 from .engine.faults import UsageError
-from .engine.optimizer import InfinityOptimizer
-from .engine.param_guard import ParamGuard
-from .engine.state_dict import install_model_methods, install_state_dict_hooks, remove_model_methods
-from .engine.torch_guards import install_torch_guards
+from .engine.step.optimizer import InfinityOptimizer
+from .engine.model.param_guard import ParamGuard
+from .engine.model.state_dict import install_model_methods, install_state_dict_hooks, remove_model_methods
+from .engine.model.torch_guards import install_torch_guards
 from .optim.functional import check_hyperparameters
-from .signals import install_sigterm_handler
+from .system.signals import install_sigterm_handler
 
 __all__ = ["initialize", "stats", "full_state_dict", "engine_of", "close"]
 

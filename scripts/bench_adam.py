@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import infinity  # noqa: E402
-from infinity import native  # noqa: E402
+from infinity.system import native  # noqa: E402
 from infinity.optim import CPUAdamW, adamw_step_  # noqa: E402
 
 STAGGER_ELEMS = 1040  # 4160 bytes: moves each buffer by one page + one cache line

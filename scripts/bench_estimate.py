@@ -3,7 +3,7 @@
 
 Each configuration trains a small GPT for a few steps in fresh processes
 (two gloo ranks for the ZeRO ones). Before building the model, the process
-asks ``infinity.estimator.estimate_peaks`` (the model on the meta device,
+asks ``infinity.engine.plan.estimator.estimate_peaks`` (the model on the meta device,
 one micro-batch of meta inputs); after the steps it reads what happened:
 ``infinity.stats`` peak bytes per tier (device, host, nvme) and the kernel's
 peak resident set (VmHWM). Printed: estimate, measured, error per tier and a
@@ -54,7 +54,7 @@ def worker(c: dict, steps: int) -> None:
     import torch.distributed as dist
     sys.path.insert(0, str(ROOT))
     import infinity
-    from infinity.estimator import estimate_peaks
+    from infinity.engine.plan.estimator import estimate_peaks
     from infinity.models import GPTConfig
     rank, world = int(os.environ.get("RANK", 0)), c["world"]
     if world > 1:
@@ -62,7 +62,7 @@ def worker(c: dict, steps: int) -> None:
     torch.set_num_threads(1)
     if c.get("arch") == "llama":
         from transformers import LlamaForCausalLM  # noqa: F401 - imported before the model, as in `infinity estimate`
-    from infinity import sysinfo
+    from infinity.system import sysinfo
     base, split = sysinfo.rss_bytes(), {"start": _rss_split()}
     gcfg = GPTConfig(vocab_size=256, block_size=c["seq"], n_layer=c["layers"], n_head=4, n_embd=c["embd"],
                      checkpoint=c["ckpt"])
@@ -98,7 +98,7 @@ def worker(c: dict, steps: int) -> None:
 
 def _rss_split() -> dict:
     """This process's resident MiB now: anonymous and file-backed (/proc/self/status)."""
-    from infinity.sysinfo import _kib_field  # the reader sysinfo.rss_bytes uses (bytes, or None)
+    from infinity.system.sysinfo import _kib_field  # the reader sysinfo.rss_bytes uses (bytes, or None)
     return {k: round((_kib_field("/proc/self/status", k) or 0) / 2**20, 1) for k in ("RssAnon", "RssFile", "RssShmem")}
 
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import infinity  # noqa: E402
 from infinity.cli.estimate import estimate  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
-from infinity.perf import copy_bandwidth, disk_bandwidth, optimizer_time  # noqa: E402
+from infinity.cli.perf import copy_bandwidth, disk_bandwidth, optimizer_time  # noqa: E402
 
 
 def make_model(args) -> GPT:
@@ -396,7 +396,7 @@ def main() -> int:
     """The run, the sweep, the targets and the JSON; 2 (with the message) when a budget is refused."""
     args = parse_args()
     print(f"infinity {infinity.__version__}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"native {infinity.native.info()['simd']}")
+          f"native {infinity.system.native.info()['simd']}")
     try:
         res = run(args)
         if not args.no_sweep and args.offload == "host":

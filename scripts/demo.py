@@ -37,11 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import infinity  # noqa: E402
-from infinity.corpus import stdlib_corpus  # noqa: E402
+from infinity.models.corpus import stdlib_corpus  # noqa: E402
 from infinity.cli.metrics import Metrics  # noqa: E402
-from infinity.config import format_bytes  # noqa: E402
+from infinity.config.runtime import format_bytes  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
-from infinity import perf, sysinfo  # noqa: E402
+from infinity.cli import perf
+from infinity.system import sysinfo  # noqa: E402
 
 PROMPT = "The function returns "
 
@@ -246,7 +247,7 @@ def run(args) -> dict:
     config = dataclasses.replace(config, device_memory=dev_budget, host_memory=host_budget)
     dev = config.resolve_device()
     print(f"infinity {infinity.__version__} | device {dev} | compute dtype {args.dtype} | CPU AdamW "
-          f"{infinity.native.info()['simd']} x{infinity.native.default_num_threads()} threads")
+          f"{infinity.system.native.info()['simd']} x{infinity.system.native.default_num_threads()} threads")
     print(f"data: {format_bytes(data.numel())} of the Python standard library's docstrings, read as bytes")
     print(f"model: GPT, {n / 1e6:.1f} M parameters; model state {format_bytes(state)} (fp32 weights, gradients, "
           f"two Adam moments); device budget {format_bytes(dev_budget)} ({state / dev_budget:.0f}x smaller), "

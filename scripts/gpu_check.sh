@@ -79,7 +79,7 @@ export -f tool
 
 stage_build() {
   local gen=() check
-  check="import infinity, json; assert infinity.native.available(); print(json.dumps(infinity.native.info()))"
+  check="import infinity, json; assert infinity.system.native.available(); print(json.dumps(infinity.system.native.info()))"
   local lib="$BUILD_DIR/native/libinfinity_native.so"
   local cm nj
   cm=$(tool cmake CMAKE_BIN_DIR) || { echo "no cmake on PATH nor as a Python package"; return 1; }

@@ -264,7 +264,7 @@ def main() -> int:
     ap.add_argument("--dist", default=None, help="stage 6: torch.distributed backend (gloo, nccl) of a world of one")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, device {args.device}, native {infinity.native.available()}", flush=True)
+    print(f"torch {torch.__version__}, device {args.device}, native {infinity.system.native.available()}", flush=True)
     with deterministic():
         rows = sanitize(args) if args.sanitize else distributed(args) if args.dist else run_matrix(args)
     print_table(rows)

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import infinity  # noqa: E402
-from infinity.config import format_bytes, parse_bytes  # noqa: E402
+from infinity.config.runtime import format_bytes, parse_bytes  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
 
 

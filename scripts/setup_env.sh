@@ -35,5 +35,5 @@ echo "[setup] building and installing infinity (native library via CMake)"
 "$vpy" -m pip install -q scikit-build-core cmake ninja pytest numpy "transformers==5.24.0" "accelerate==1.15.0" \
   "peft==0.21.2" matplotlib tqdm psutil
 "$vpy" -m pip install -q --no-build-isolation "$root"
-"$vpy" -c "import infinity, json; print('[setup] infinity.native.info():', json.dumps(infinity.native.info()))"
+"$vpy" -c "import infinity, json; print('[setup] infinity.system.native.info():', json.dumps(infinity.system.native.info()))"
 echo "$src_hash" > "$stamp"

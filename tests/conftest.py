@@ -1,3 +1,7 @@
+import os
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -18,7 +22,7 @@ def _seed():
 
 def simd_params():
     """Every ISA variant this CPU and build support, plus the torch fallback."""
-    return infinity.native.simd_levels() + ["fallback"]
+    return infinity.system.native.simd_levels() + ["fallback"]
 
 
 @pytest.fixture
@@ -26,8 +30,29 @@ def backend(request, monkeypatch):
     """Selects a kernel variant for the duration of a test ("fallback" = pure torch)."""
     level = request.param
     if level == "fallback":
-        monkeypatch.setattr(infinity.native, "available", lambda: False)
+        monkeypatch.setattr(infinity.system.native, "available", lambda: False)
         yield level
     else:
-        with infinity.native.use_simd(level):
+        with infinity.system.native.use_simd(level):
             yield level
+
+
+@pytest.fixture
+def ext4(tmp_path):
+    """A fresh loop-mounted ext4 of 56 MiB, unmounted (lazily) afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to loop-mount an ext4 image")
+    if not shutil.which("mkfs.ext4"):
+        pytest.skip("mkfs.ext4 is not installed")
+    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    with open(img, "wb") as f:
+        f.truncate(56 << 20)
+    r = subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"mkfs.ext4 failed: {r.stderr.strip()}")
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot loop-mount an ext4 image here: {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -118,8 +118,8 @@ def collectives(rank: int, world: int, rdzv: str, group_size: int = 0) -> None:
     host group made for it (forced: gloo serves CPU tensors, so none would be
     made), sync against async; with ``group_size``, in subgroups of that many
     ranks, each with its own host group. Raises on any mismatch."""
-    from infinity.engine import zero
-    from infinity.engine.mover import CpuMover
+    from infinity.engine.mechanism import zero
+    from infinity.engine.mechanism.mover import CpuMover
     from infinity.engine.stats import Stats
     torch.set_num_threads(1)
     _init(rank, world, rdzv)

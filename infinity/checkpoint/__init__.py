@@ -1,6 +1,13 @@
 """Checkpoints: save and resume a run exactly, streamed out of the tiers,
 crash-safe, loadable at any world size, stage and placement. See
-docs/checkpoints.md."""
+docs/checkpoints.md.
+
+Owns: state into and out of the tiers as files: save, load, verify, export,
+consolidate, background saves, and streaming a pretrained model in
+(pretrained.py). May import: api.py (to reach a model's engine), engine/,
+io/, system/, config/; a background save installs its fence into the engine
+through one call, so the engine never imports this folder.
+"""
 
 from .background import AsyncCheckpoint
 from .export import consolidate, export_pretrained

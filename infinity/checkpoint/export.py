@@ -19,9 +19,9 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..config import parse_bytes
+from ..config.runtime import parse_bytes
 from . import layout
-from .load import _Files, read_manifest
+from .load import ManifestFiles, read_manifest
 from .safetensors_io import ShardWriter, record_dtype, split_shards
 
 __all__ = ["export_pretrained", "consolidate", "INDEX_NAME"]
@@ -124,7 +124,7 @@ def consolidate(checkpoint, out_dir, *, dtype: Union[str, torch.dtype] = "bf16",
     m = read_manifest(ckpt)
     recs = sorted(((n, r) for n, r in m["tensors"].items() if not n.startswith(("exp_avg.", "exp_avg_sq."))),
                   key=lambda nr: (nr[1]["file"], nr[1]["offset"]))
-    with _Files(ckpt) as files:
+    with ManifestFiles(ckpt) as files:
         items = [(n, record_dtype(r), tuple(r["shape"]),
                   lambda r=r: files.read(r, record_dtype(r), r["shape"])) for n, r in recs]
         cfg = m.get("hf_config")

@@ -82,7 +82,7 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
     _check_names_and_shapes(ckpt, m, plan, strict)
     _check_groups(m, plan, optimizer, strict)
     _check_files(ckpt, m)
-    with eng.faults.guard(f"infinity.load_checkpoint({ckpt!r})"), _Files(ckpt) as files:
+    with eng.faults.guard(f"infinity.load_checkpoint({ckpt!r})"), ManifestFiles(ckpt) as files:
         with UnitLoads(eng, plan, m, files) as loads:  # [Note: staged unit loads]
             for staged in loads:
                 loads.scratch.reset()
@@ -148,14 +148,14 @@ def _check_files(ckpt: str, m: dict) -> None:
                                          "does not list; nothing was loaded")
 
 
-class _Files:
+class ManifestFiles:
     """The checkpoint's files, each opened once."""
 
     def __init__(self, ckpt: str):
         self.ckpt = ckpt
         self._open: Dict[str, object] = {}
 
-    def __enter__(self) -> "_Files":
+    def __enter__(self) -> "ManifestFiles":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -225,7 +225,7 @@ def verify_checkpoint(path) -> dict:
     _check_files(ckpt, m)
     headers = {f: read_header(os.path.join(ckpt, f)) for f in m.get("files", {})}
     total = 0
-    with _Files(ckpt) as files:
+    with ManifestFiles(ckpt) as files:
         for name, rec in sorted(m["tensors"].items(), key=lambda kv: (kv[1]["file"], kv[1]["offset"])):
             header, start = headers[rec["file"]]
             h = header.get(name)

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..engine.faults import UsageError
-from ..engine.state import GradState
+from ..engine.plan.state import GradState
 from .safetensors_io import nbytes
 
 __all__ = ["Plan", "plan_checkpoint", "Item"]

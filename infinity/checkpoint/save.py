@@ -31,7 +31,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from ..config import format_bytes
+from ..config.runtime import format_bytes
 from . import layout, rng
 from .plan import Plan, SlotSource, plan_checkpoint
 from .safetensors_io import ShardWriter, split_shards

@@ -137,7 +137,7 @@ class Scratch:
 
 class UnitLoads:
     """Iterates over ``eng``'s units in order, yielding each one's
-    :class:`StagedUnit` read from ``files`` (load.py's ``_Files``) by the
+    :class:`StagedUnit` read from ``files`` (load.py's ``ManifestFiles``) by the
     checkpoint names of ``plan`` and the records of manifest ``m``. A
     yielded unit's tensors stay valid until the next one is asked for. Use
     as a context manager: leaving it waits for a read still in flight."""

@@ -4,6 +4,10 @@ subcommand, each with ``add_parser(subparsers)`` setting ``run(args) -> int``.
 Exit status: 0 success, 1 failure (a check failed, training failed), 2 usage
 error (bad arguments, a bad run file), 130 interrupted by SIGINT. Set
 ``INFINITY_CLI_TRACEBACK=1`` to see the traceback of an unexpected error.
+
+Owns: argument parsing, run files into runs, the checks of ``doctor`` and the
+machine measurements shared with the benchmarks (perf.py). May import:
+everything below it, the package root included.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 import sys
 from typing import List, Optional
 
-from ..config_file import ConfigFileError
+from ..config.files import ConfigFileError
 from .common import CLIError, UsageError
 
 __all__ = ["main", "build_parser"]

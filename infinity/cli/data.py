@@ -14,7 +14,7 @@ from typing import Dict, Tuple
 import numpy as np
 import torch
 
-from ..config_file import ConfigFileError
+from ..config.files import ConfigFileError
 
 BYTE_VOCAB = 256
 

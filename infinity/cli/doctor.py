@@ -12,17 +12,15 @@ removed at the end.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
 from typing import Any, List, Optional
 
-import torch
 
-from ..config import Config, format_bytes, parse_bytes
-from ..config_file import read_file
+from ..config.runtime import Config, format_bytes, parse_bytes
 from .common import UsageError
+from .estimate import nvme_need
 from .doctor_checks import FAIL, OK, WARN, Check, check_bandwidth, check_cuda, check_direct, check_fs, \
     check_lock, check_memlock, check_native, check_path, check_space
 
@@ -37,47 +35,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--need", help="bytes the run puts on NVMe in all (e.g. 200GiB), shared by the paths")
     p.add_argument("--probe-bytes", default=str(PROBE_BYTES), help="bandwidth probe size (default 64MiB)")
     p.set_defaults(run=run)
-
-
-def load_for_estimate(config_path: str) -> tuple:
-    """``(Config, model on the meta device)`` of a run file or DeepSpeed JSON
-    (whose model is the run file default, the tiny GPT). The data file is
-    only read for its vocabulary, when it exists."""
-    run = load_run_for_estimate(config_path)
-    return run[0], run[1]
-
-
-def load_run_for_estimate(config_path: str) -> tuple:
-    """``(Config, model on the meta device, forward)`` where ``forward(model)``
-    runs one micro-batch of the run file's shape on meta inputs and returns
-    the loss (for the activation estimate), plus whether the model is lazy."""
-    from ..deepspeed import is_deepspeed
-    from .data import open_tokens
-    from .model import build_model
-    from .runfile import load_run_file
-    data = read_file(config_path)
-    no_data = is_deepspeed(data) or "data" not in data
-    run = load_run_file(config_path, {"data.path": "-"} if no_data else None)
-    d = run.data
-    vocab = open_tokens(d.path, d.format, d.dtype)[1] if os.path.isfile(d.path) else 256
-    with torch.device("meta"):
-        model, loss, _ = build_model(run.model, run.config, d.seq_len, vocab, 0)
-    x = torch.zeros(d.micro_batch, d.seq_len, dtype=torch.long, device="meta")
-    if run.model.path:
-        # Hugging Face's mask building reads values (.item()), which meta tensors have not: a ready 4-D
-        # mask of the same shape skips it and costs the forward the same memory.
-        mask = torch.zeros(d.micro_batch, 1, d.seq_len, d.seq_len, device="meta")
-        return run.config, model, (lambda m: m(input_ids=x, attention_mask=mask).logits.float().sum()), \
-            bool(run.model.lazy)
-    return run.config, model, (lambda m: loss(m, x, x)), bool(run.model.lazy)
-
-
-def nvme_need(config_path: str) -> tuple:
-    """``(Config, bytes of swap files over all paths)`` of a run file or
-    DeepSpeed JSON, from ``infinity estimate``'s placement arithmetic."""
-    from .estimate import estimate
-    config, model = load_for_estimate(config_path)
-    return config, estimate(model, config)["nvme"]["capacity"]
 
 
 def diagnose_path(path: str, need: Optional[int], probe_bytes: int, block_size: int) -> List[Check]:

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from ..config import format_bytes
-from ..sysinfo import mount_of
-from ..io.swap_dir import LOCK_NAME
+from ..config.runtime import format_bytes
+from ..system.sysinfo import mount_of
+from ..io.swap.dir import LOCK_NAME
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 _NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "sshfs", "fuse.sshfs", "9p", "lustre", "gpfs", "beegfs")
@@ -226,7 +226,7 @@ def check_memlock(host_bytes: Optional[int]) -> List[Check]:
 
 def check_native() -> List[Check]:
     """The native library, its SIMD level and the io_uring backend."""
-    from .. import native
+    from ..system import native
     info = native.info()
     if info["backend"] != "native":
         return [Check("system", "native library", WARN, f"not loaded: {info.get('reason')}",

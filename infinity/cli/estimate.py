@@ -3,7 +3,7 @@ each tier needs for a run, before any memory is touched.
 
 The model is built on the meta device and split into paging units exactly as
 ``infinity.initialize`` splits it; the figures then come from the engine's
-own placement arithmetic (``infinity.engine.placement``), so they are the
+own placement arithmetic (``infinity.engine.plan.placement``), so they are the
 numbers ``initialize`` checks its budgets against. Not counted: activations
 and autograd's temporaries on the device, the CUDA context, the Python and
 torch runtime in host RAM.
@@ -12,12 +12,14 @@ torch runtime in host RAM.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Dict, Optional
 
 import torch
 
-from ..config import Config, format_bytes
-from ..engine.placement import device_need, host_need, nvme_capacity
+from ..config.runtime import Config, format_bytes
+from ..engine.plan.placement import device_need, host_need, nvme_capacity
+from ..config.files import read_file
 from .common import UsageError
 
 
@@ -38,7 +40,7 @@ def estimate(model: torch.nn.Module, config: Config, world: int = 1) -> Dict[str
     entry also has ``budget`` (the Config's, None when it is derived at start)."""
     if world < 1:
         raise UsageError(f"--world={world}: must be >= 1")
-    from ..estimator import placed
+    from ..engine.plan.estimator import placed
     units, modes, places = placed(model, config, world)
     d = device_need(places, [False] * len(places), modes)
     h = host_need(places, modes)
@@ -51,6 +53,46 @@ def estimate(model: torch.nn.Module, config: Config, world: int = 1) -> Dict[str
         "nvme": {"capacity": nv, "per_path": -(-nv // len(config.swap_paths)) if nv else 0, "budget": None},
         "units": {"count": len(units), "parameters": sum(p.numel() for p in model.parameters())},
     }
+
+
+def load_for_estimate(config_path: str) -> tuple:
+    """``(Config, model on the meta device)`` of a run file or DeepSpeed JSON
+    (whose model is the run file default, the tiny GPT). The data file is
+    only read for its vocabulary, when it exists."""
+    run = load_run_for_estimate(config_path)
+    return run[0], run[1]
+
+
+def load_run_for_estimate(config_path: str) -> tuple:
+    """``(Config, model on the meta device, forward)`` where ``forward(model)``
+    runs one micro-batch of the run file's shape on meta inputs and returns
+    the loss (for the activation estimate), plus whether the model is lazy."""
+    from ..config.deepspeed import is_deepspeed
+    from .data import open_tokens
+    from .model import build_model
+    from .runfile import load_run_file
+    data = read_file(config_path)
+    no_data = is_deepspeed(data) or "data" not in data
+    run = load_run_file(config_path, {"data.path": "-"} if no_data else None)
+    d = run.data
+    vocab = open_tokens(d.path, d.format, d.dtype)[1] if os.path.isfile(d.path) else 256
+    with torch.device("meta"):
+        model, loss, _ = build_model(run.model, run.config, d.seq_len, vocab, 0)
+    x = torch.zeros(d.micro_batch, d.seq_len, dtype=torch.long, device="meta")
+    if run.model.path:
+        # Hugging Face's mask building reads values (.item()), which meta tensors have not: a ready 4-D
+        # mask of the same shape skips it and costs the forward the same memory.
+        mask = torch.zeros(d.micro_batch, 1, d.seq_len, d.seq_len, device="meta")
+        return run.config, model, (lambda m: m(input_ids=x, attention_mask=mask).logits.float().sum()), \
+            bool(run.model.lazy)
+    return run.config, model, (lambda m: loss(m, x, x)), bool(run.model.lazy)
+
+
+def nvme_need(config_path: str) -> tuple:
+    """``(Config, bytes of swap files over all paths)`` of a run file or
+    DeepSpeed JSON, from ``infinity estimate``'s placement arithmetic."""
+    config, model = load_for_estimate(config_path)
+    return config, estimate(model, config)["nvme"]["capacity"]
 
 
 def render(est: Dict[str, Dict[str, Optional[int]]]) -> str:
@@ -87,7 +129,7 @@ _PEAK_PARTS = {
 
 
 def render_peaks(peaks: dict) -> str:
-    """The predicted peak of each tier and its parts (see infinity.estimator)."""
+    """The predicted peak of each tier and its parts (see infinity.engine.plan.estimator)."""
     lines = ["", f"{'TIER':7}{'PEAK':>16}  {'':12}PARTS"]
     for tier in ("device", "host", "nvme", "rss"):
         p = peaks[tier]
@@ -114,13 +156,13 @@ def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: b
     import dataclasses
     import shutil
 
-    from .. import sysinfo
-    from ..estimator import estimate_peaks
+    from ..system import sysinfo
+    from ..engine.plan.estimator import estimate_peaks
     from .doctor_checks import nearest_existing
     ram = int(0.8 * sysinfo.available_ram())
     disk = sum(shutil.disk_usage(nearest_existing(p)).free for p in config.swap_paths)
     gpu = None
-    from ..estimator import compute_device
+    from ..engine.plan.estimator import compute_device
     if compute_device(config).type == "cuda" and torch.cuda.is_available():
         gpu = torch.cuda.mem_get_info()[0]
     for place in ("none", "host", "nvme"):
@@ -145,8 +187,7 @@ def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: b
 
 def run(args: argparse.Namespace) -> int:
     """Prints the estimate of the run file; 1 when a given budget is below a minimum."""
-    from ..estimator import estimate_peaks
-    from .doctor import load_run_for_estimate
+    from ..engine.plan.estimator import estimate_peaks
     config, model, forward, lazy = load_run_for_estimate(args.config)
     est = estimate(model, config, args.world)
     print(render(est))

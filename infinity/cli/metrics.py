@@ -8,14 +8,14 @@ import os
 import time
 from typing import Any, Dict, Optional
 
-from ..config import format_bytes
+from ..config.runtime import format_bytes
 
 TIERS = ("device", "host", "nvme")
 
 
 def _rss() -> Optional[int]:
     """This process's resident bytes."""
-    from ..sysinfo import rss_bytes
+    from ..system.sysinfo import rss_bytes
     return rss_bytes()
 
 

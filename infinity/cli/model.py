@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import Config
-from ..config_file import ConfigFileError
+from ..config.runtime import Config
+from ..config.files import ConfigFileError
 from ..models import GPT, GPTConfig
 from .runfile import ModelSection
 
@@ -26,7 +26,7 @@ Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 def gpt_config(m: ModelSection, seq_len: int, vocab: int) -> GPTConfig:
     """The GPTConfig of ``[model]``: the ``size`` preset with any overrides."""
     if m.size not in SIZES:
-        from ..config_file import nearest
+        from ..config.files import nearest
         raise ConfigFileError(f"'model.size'={m.size!r}: choose one of {list(SIZES)}{nearest(m.size, SIZES)}")
     n_layer, n_head, n_embd = SIZES[m.size]
     return GPTConfig(vocab_size=m.vocab_size or vocab, block_size=m.block_size or seq_len,

@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..config import Config
-from ..config_file import ConfigFileError, config_from_mapping, nearest, read_file, runtime_table
-from ..deepspeed import from_deepspeed, is_deepspeed
-from ..schedules import Schedule
+from ..config.runtime import Config
+from ..config.files import ConfigFileError, config_from_mapping, nearest, read_file, runtime_table
+from ..config.deepspeed import from_deepspeed, is_deepspeed
+from ..config.schedules import Schedule
 
 
 @dataclass

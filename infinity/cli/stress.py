@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
 def _table(rows: List[dict]) -> str:
     """One line per scenario (result, step time p50/p95, resumed exactly, RSS growth, peaks against budgets,
     the first error), then each check and the notes."""
-    from ..config import format_bytes
+    from ..config.runtime import format_bytes
     lines = [f"{'SCENARIO':24}{'RESULT':8}{'p50 s':>7}{'p95 s':>7} {'RESUMED':8}{'LEAK':>13}  "
              "PEAK/BUDGET (device, host)   FIRST ERROR"]
     for r in rows:

@@ -17,8 +17,8 @@ import torch
 
 import infinity
 
-from ..config import Config
-from ..schedules import Schedule
+from ..config.runtime import Config
+from ..config.schedules import Schedule
 from .common import CLIError, UsageError
 from .data import Sampler, open_tokens
 from .metrics import Metrics

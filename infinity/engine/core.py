@@ -26,26 +26,26 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .. import sysinfo
-from ..config import Config, format_bytes
-from .device_budget import DeviceBudget
+from ..system import sysinfo
+from ..config.runtime import Config, format_bytes
+from .adapt.device_budget import DeviceBudget
 from .faults import FaultState, UsageError
-from .grads import Gradients
-from .host_cache import HostCache
-from .mover import DeferredTicket, make_mover
-from .nvme import NvmeTier
-from .optstate import OptimizerState
-from .placement import device_need, host_need, modes_of, nvme_capacity, place_unit
-from .pressure import PressureMonitor
-from .residency import Residency
-from .saved import SavedTensorRouter
-from .state import DeviceState, Quiet
+from .owners.grads import Gradients
+from .owners.host_cache import HostCache
+from .mechanism.mover import DeferredTicket, make_mover
+from .mechanism.nvme import NvmeTier
+from .owners.optstate import OptimizerState
+from .plan.placement import device_need, host_need, modes_of, nvme_capacity, place_unit
+from .adapt.pressure import PressureMonitor
+from .owners.residency import Residency
+from .owners.saved import SavedTensorRouter
+from .plan.state import DeviceState, Quiet
 from .stats import Stats
-from .tiers import BudgetError, DeviceTier, HostTier
-from .trace import Trace
-from .units import build_units
+from .mechanism.tiers import BudgetError, DeviceTier, HostTier
+from .plan.trace import Trace
+from .plan.units import build_units
 from .values import Values
-from .zero import Sharding
+from .mechanism.zero import Sharding
 
 __all__ = ["Engine"]
 

@@ -14,9 +14,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .nvme import key as swap_key
-from .state import OptState
-from .units import Layout
+from .mechanism.nvme import key as swap_key
+from .plan.state import OptState
+from .plan.units import Layout
 
 __all__ = ["Values"]
 

@@ -36,7 +36,7 @@ from transformers.trainer_pt_utils import get_parameter_names
 
 from ..api import engine_of, initialize
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..config import Config
+from ..config.runtime import Config
 from ..engine.faults import UsageError
 
 __all__ = ["InfinityTrainer", "CHECKPOINT_SUBDIR"]

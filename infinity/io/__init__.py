@@ -7,13 +7,17 @@
   ``native/src/io_*.cpp``) and a pure-Python fallback.
 
 See docs/io.md.
+
+Owns: moving bytes between host buffers and files, and the host pool's pages.
+May import: system/ (the native library) and config/; the swap store's parts
+stay inside io/swap/.
 """
 
 from .errors import (ChecksumError, PoolExhausted, StoreLockedError, SwapFullError, SwapIOError, SwapPathError,
                      SwapPathNotDirectoryError, SwapPathPermissionError, SwapPathReadOnlyError, SwapPathUnsafeError)
 from .extent_allocator import ExtentAllocator
 from .host_pool import HostPool, PoolBuffer
-from .swap_store import IOHandle, SwapStore
+from .swap.store import IOHandle, SwapStore
 from .engine import native_available
 
 __all__ = ["SwapStore", "IOHandle", "HostPool", "PoolBuffer", "ExtentAllocator", "SwapIOError", "ChecksumError",

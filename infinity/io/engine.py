@@ -17,7 +17,7 @@ import errno as _errno
 import threading
 from typing import Optional
 
-from .. import native
+from ..system import native
 from .errors import ChecksumError, SwapIOError, parse_fault_spec
 
 __all__ = ["NativeEngine", "native_available", "crc32c", "crc_count", "chunk_count", "key_sums", "READ", "WRITE", "ALIGN"]

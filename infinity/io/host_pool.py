@@ -76,7 +76,7 @@ _warned: set = set()
 _warn_lock = threading.Lock()
 
 
-def _warn_once(key: str, text: str) -> None:
+def warn_once(key: str, text: str) -> None:
     with _warn_lock:
         if key in _warned:
             return
@@ -345,7 +345,7 @@ class HostPool:
             self._map.locked = self.pin_method
             return
         self.pin_reason = reason
-        _warn_once(reason.split(":")[0], f"infinity.io.HostPool: host memory is NOT page-locked: {reason}. "
+        warn_once(reason.split(":")[0], f"infinity.io.HostPool: host memory is NOT page-locked: {reason}. "
                    "Using plain page-aligned memory; transfers still work, but may be slower and the "
                    "OS may page the pool out.")
 

@@ -47,6 +47,8 @@ order), other unknown random-looking operations, ``set_``/``resize_`` of a
 recorded tensor. A parameter whose value comes from ``torch.empty`` that
 nothing overwrote is zero-filled with a warning (eager construction would
 leave uninitialised memory there).
+
+Owns: the tape of creation ops and its replay. May import: config/ only.
 """
 
 from __future__ import annotations

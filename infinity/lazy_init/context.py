@@ -62,7 +62,7 @@ def init(config: Any = None, *, seed: Optional[int] = None, advance_rng: bool = 
 
 
 def _check_can_open(config: Any) -> None:
-    from ..config import Config
+    from ..config.runtime import Config
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"infinity.init: config must be an infinity.Config or None, got {type(config).__name__}")
     if getattr(_ACTIVE, "rec", None) is not None:

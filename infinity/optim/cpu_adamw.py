@@ -6,7 +6,7 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 
-from .. import native
+from ..system import native
 from .functional import adamw_step_, check_hyperparameters
 
 __all__ = ["CPUAdamW"]

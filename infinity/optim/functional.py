@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import native
+from ..system import native
 from ..io.engine import chunk_count
 
 __all__ = ["adamw_step_", "check_hyperparameters"]

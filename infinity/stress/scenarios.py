@@ -78,7 +78,7 @@ class Context:
     def _estimate(self, **kw) -> Dict[str, int]:
         import torch
 
-        from ..estimator import estimate_peaks
+        from ..engine.plan.estimator import estimate_peaks
         from .worker import build
         job = dict(self.base, device_memory=None, host_memory=None, swap=self.swap_root, **kw)
         with torch.device("meta"):
@@ -172,7 +172,7 @@ def _rss_need(ctx: Context) -> int:
     """The stress job's estimated peak RSS (bytes)."""
     import torch
 
-    from ..estimator import estimate_peaks
+    from ..engine.plan.estimator import estimate_peaks
     from .worker import build
     with torch.device("meta"):
         model, cfg = build(ctx.job())
@@ -184,7 +184,7 @@ def _ballast_cases(ctx: Context, need: int):
     its need (estimated peak RSS) plus twice the monitor's margin, then at
     its need alone, so the run's own pages take it below the margin: the run goes on (giving way where it must) or stops with
     MemoryPressureError; neither it nor the ballast is OOM-killed."""
-    from ..engine.pressure import MIN_MARGIN
+    from ..engine.adapt.pressure import MIN_MARGIN
     checks, outcomes = {}, []
     for name, leave in (("above", need + 2 * MIN_MARGIN), ("below", need)):
         b = subprocess.Popen([sys.executable, "-m", "infinity.stress.ballast", str(leave)], stdin=subprocess.PIPE,

@@ -62,7 +62,7 @@ def _flip_moments(eng) -> None:
 
 def _sample(samples: list, eng, job: dict) -> None:
     """RSS, open fds, threads, swap-file bytes on disk and pinned bytes (locked pages, or the pinned pool) now."""
-    from infinity import sysinfo
+    from infinity.system import sysinfo
     swap = 0
     for d, _, files in os.walk(job["swap"]):
         for f in files:

@@ -1,0 +1,350 @@
+"""Gradients: off the device as autograd finishes them, accumulated on the
+host, reduced over the ranks (ZeRO), spilled to NVMe and read back, claimed
+by an update, released.
+
+Owns ``unit.grads`` (a :class:`GradRecord`); nothing else writes it. See
+[Note: gradients in the compute dtype] in placement.py, [Note: a gradient's way to
+the host] in mover.py and [Note: gradient states] in state.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from ..faults import UsageError
+from ..mechanism.nvme import key as swap_key
+from ..plan.state import GradHome, GradState, transition
+from ..plan.units import Layout
+
+__all__ = ["GradRecord", "Gradients"]
+
+# At most this many units' full gradients wait for their reduction (stages
+# 2 and 3 free them only after it): with the unit whose gradients arrive, two
+# units' worth, what the host budget sets aside (placement.ZERO_REDUCING_UNITS).
+MAX_REDUCING = 1
+
+
+@dataclass
+class GradRecord:
+    """A unit's gradients (written by grads.py only)."""
+
+    state: GradState = GradState.CLEAN
+    home: GradHome = GradHome.NONE
+    grad: Optional[torch.Tensor] = None       # the buffer (host, or device with the device optimizer)
+    next_grad: Optional[torch.Tensor] = None  # delayed mode: the buffer the next backward fills
+    buf: object = None                        # pool handle of a transient buffer
+    written: List[bool] = field(default_factory=list)  # per trainable slot: holds this step's data
+    pending: int = 0                          # trainable slots still waiting for this backward's gradient
+    tickets: list = field(default_factory=list)  # copies and reductions in flight
+    shard: Optional[torch.Tensor] = None      # ZeRO: the own shard of the summed gradients
+    reduced: bool = False                     # ZeRO: the reduction of this step was issued
+
+
+class Gradients:
+    """The gradients of ``units``; ``cache`` is the host cache (buffers)."""
+
+    def __init__(self, units, modes, device_tier, cache, nvme, mover, stats, sharding, accum_steps: int,
+                 overlap: str):
+        self.units, self.modes, self.device_tier, self.cache = units, modes, device_tier, cache
+        self.nvme, self.mover, self.stats, self.sharding = nvme, mover, stats, sharding
+        self.accum_steps, self.overlap = accum_steps, overlap
+        self._outstanding: list = []  # (ticket, device bytes) of copies off the device
+        self._reducing: list = []     # stages 2-3: units whose full gradients are being reduced
+        self.window_closed = False    # See [Note: the accumulation window] in schedule.py
+        self.micro_batches = 0        # backward passes since the last step
+        self.need_zero_grad = False   # step() ran and zero_grad() did not since
+        # Gradient buffers in the compute dtype have the size of compute copies,
+        # not of fp32 state: they come from the same end of the pool as the
+        # copies, so each size class's holes fit its own later requests.
+        self._with_copies = modes.grad_dtype != torch.float32
+        for u in units:
+            u.grads = GradRecord(written=[False] * len(u.layout.trainable_slots))
+
+    def drop_buffers(self) -> None:
+        """After teardown: forgets every unit's gradient buffers (see Engine._drop_buffers)."""
+        for u in self.units:
+            u.grads = GradRecord(written=[False] * len(u.layout.trainable_slots))
+
+    # -- buffers kept for good ----------------------------------------------------------
+
+    def set_permanent(self, u, grad: Optional[torch.Tensor], next_grad=None, shard=None) -> None:
+        """``u``'s buffers kept for good (placement at ``initialize``)."""
+        g = u.grads
+        g.grad, g.next_grad, g.shard = grad, next_grad, shard
+        if grad is not None:
+            g.home = transition(u.name, "grad home", g.home, GradHome.PERMANENT)
+
+    def set_device(self, device_tier) -> None:
+        """The device tier whose transient reserve bounds copies in flight (None: being replaced)."""
+        self.device_tier = device_tier
+
+    def backward_counted(self, window_closed: bool) -> None:
+        """A whole backward is done; ``window_closed``: it ran the window's
+        last-backward work (see [Note: the accumulation window] in schedule.py)."""
+        self.micro_batches += 1
+        self.window_closed = self.window_closed or window_closed
+
+    def open_window(self, stepped: bool = False) -> None:
+        """A new accumulation window: after ``step()`` (``stepped``: torch
+        would keep the gradients until ``zero_grad()``) or ``zero_grad()``."""
+        self.micro_batches = 0
+        self.window_closed = False
+        self.need_zero_grad = stepped
+
+    # -- off the device ---------------------------------------------------------------
+
+    def begin_backward(self) -> None:
+        for u in self.units:
+            u.grads.pending = len(u.layout.trainable_slots)
+
+    def take(self, u, ti: int, p) -> bool:
+        """A parameter's gradient is complete for this backward: moves it into
+        ``u``'s buffer (added when accumulating) and frees the device copy.
+        ``ti`` indexes the trainable slots. True on ``u``'s last one."""
+        g = p.grad
+        if g is None:
+            return False
+        if self.window_closed:
+            raise self._window_error()
+        if self.need_zero_grad:
+            raise UsageError(
+                "backward() after optimizer.step() without optimizer.zero_grad() (or model.zero_grad()) in "
+                "between: torch would add this backward's gradients to the last step's, but infinity frees "
+                "the gradients at step(). Call optimizer.zero_grad() after each step(); to accumulate over "
+                "micro-batches, call step() once every Config.grad_accumulation_steps backward() calls")
+        p.grad = None
+        rec, s = u.grads, u.layout.trainable_slots[ti]
+        if rec.grad is None:  # a transient buffer until the update (NVMe state, ZeRO 2-3)
+            self.acquire(u)
+        dst = rec.grad[s.offset:s.offset + s.numel]
+        accumulate = rec.written[ti]
+        rec.written[ti] = True
+        if rec.state is GradState.CLEAN:
+            rec.state = transition(u.name, "grad", rec.state, GradState.ACCUMULATING)
+        if self.modes.host_optimizer:
+            nb = g.numel() * g.element_size()
+            self._bound_transient(nb)
+            self.device_tier.add_transient(nb)
+            t = self.mover.grad_out(dst, g, accumulate)
+            self.stats.moved("d2h", nb)
+            rec.tickets.append(t)
+            self._outstanding.append((t, nb))
+        elif accumulate:
+            dst.add_(g.reshape(-1))
+        else:
+            dst.copy_(g.reshape(-1))
+        rec.pending -= 1
+        return rec.pending == 0
+
+    def _window_error(self) -> UsageError:
+        n = self.accum_steps
+        return UsageError(
+            f"backward() number {self.micro_batches + 1} before optimizer.step(), with "
+            f"Config.grad_accumulation_steps={n}: the last backward of the accumulation window already "
+            + ("ran the updates (overlap='backward')" if self.overlap == "backward"
+               else "reduced the gradients over the ranks")
+            + f", so the gradients of this one would be dropped. Call optimizer.step() after every {n} "
+            "backward() calls, or set grad_accumulation_steps to the number of backward() calls per step "
+            "(see [Note: the accumulation window] in infinity/engine/step/schedule.py)")
+
+    def forward_error(self) -> UsageError:
+        """A forward between the backward that started the updates (overlap="backward") and ``step()``."""
+        n = self.accum_steps
+        return UsageError(
+            f"forward before optimizer.step(), with overlap='backward' and Config.grad_accumulation_steps={n}: "
+            "the last backward of the accumulation window already started the updates, so the parameters are "
+            "neither the old values nor the new ones (a forward would use a mix). Call optimizer.step() after "
+            f"every {n} backward() call(s), or use overlap='step'")
+
+    def _bound_transient(self, incoming: int) -> None:
+        """Backpressure: waits for the oldest copies until ``incoming`` more
+        bytes fit the reserve the device budget sets aside for gradients."""
+        keep = []
+        for t, nb in self._outstanding:
+            if t.done():
+                self.device_tier.sub_transient(nb)
+            else:
+                keep.append((t, nb))
+        while keep and self.device_tier.transient_bytes + incoming > self.device_tier.transient_reserve:
+            t, nb = keep.pop(0)
+            t0 = time.perf_counter()
+            t.wait()
+            self.stats.stall_seconds += time.perf_counter() - t0
+            self.device_tier.sub_transient(nb)
+        self._outstanding = keep
+
+    def wait(self, u) -> None:
+        """Waits for every copy and reduction of ``u``'s gradients issued so
+        far. Tickets go only once waited for, so a second thread calling
+        meanwhile waits too instead of finding the list empty."""
+        pending = list(u.grads.tickets)
+        if not pending:
+            return
+        for t in pending:
+            t.wait()
+        u.grads.tickets = [t for t in u.grads.tickets if not any(t is w for w in pending)]
+
+    def drain(self) -> None:
+        """Waits for every gradient copy in flight."""
+        for u in self.units:
+            self.wait(u)
+        for t, nb in self._outstanding:
+            t.wait()
+            self.device_tier.sub_transient(nb)
+        self._outstanding = []
+
+    # -- transient host buffers --------------------------------------------------------
+
+    def acquire(self, u, wait: bool = True):
+        """A host buffer for ``u``'s gradients: zero where slots do not cover
+        it, or holding what was accumulated so far if it was spilled. Returns
+        the read in flight when ``wait`` is False."""
+        rec = u.grads
+        g, buf = self.cache.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u,
+                                    compute=self._with_copies)
+        rec.grad, rec.buf = g, buf
+        if rec.home is GradHome.SPILLED:
+            rec.home = transition(u.name, "grad home", rec.home, GradHome.HOST)
+            h = self.nvme.read(swap_key(u.index, "grad"), g)
+            if not wait:
+                return h
+            h.wait()
+            return None
+        # Each slot's first gradient is copied in (not added): only the
+        # padding between slots needs zeros (the update's runs span it).
+        Layout.zero_padding(g, u.layout.trainable_slots)
+        rec.home = transition(u.name, "grad home", rec.home, GradHome.HOST)
+        return None
+
+    def spill(self, u) -> None:
+        """Writes ``u``'s gradients to NVMe and frees their host buffer (NVMe
+        optimizer state, when the update does not run during backward)."""
+        rec = u.grads
+        if rec.home is not GradHome.HOST:
+            return
+        self.wait(u)
+        h = self.nvme.write(swap_key(u.index, "grad"), rec.grad)
+        self.cache.defer_release(h, rec.buf)
+        rec.grad = rec.buf = None
+        rec.home = transition(u.name, "grad home", rec.home, GradHome.SPILLED)
+
+    def load(self, u, wait: bool = True):
+        """Reads spilled gradients back into a host buffer (for the norm or the
+        update); the read in flight when ``wait`` is False, else None."""
+        rec = u.grads
+        if rec.home is not GradHome.SPILLED:
+            return None
+        g, buf = self.cache.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u,
+                                    compute=self._with_copies)
+        rec.grad, rec.buf = g, buf
+        rec.home = transition(u.name, "grad home", rec.home, GradHome.LOADED)
+        h = self.nvme.read(swap_key(u.index, "grad"), g)
+        if not wait:
+            return h
+        h.wait()
+        return None
+
+    def drop_loaded(self, u) -> None:
+        """Frees a host copy of spilled gradients (they stay on NVMe)."""
+        rec = u.grads
+        if rec.home is GradHome.LOADED:
+            self.cache.release(rec.buf)
+            rec.grad = rec.buf = None
+            rec.home = transition(u.name, "grad home", rec.home, GradHome.SPILLED)
+
+    def claim(self, u) -> None:
+        """An update during backward takes ``u``'s host buffer (it releases it)."""
+        rec = u.grads
+        if rec.home is GradHome.HOST:
+            rec.home = transition(u.name, "grad home", rec.home, GradHome.CLAIMED)
+
+    def release(self, u) -> None:
+        """Frees ``u``'s transient buffer once every copy and reduction into or
+        out of it is done. Safe from two threads (main and optimizer's)."""
+        rec = u.grads
+        if rec.buf is not None:
+            self.wait(u)
+            with self.cache.lock:
+                if rec.buf is not None:
+                    self.cache.tier.release(rec.buf)
+                    rec.grad = rec.buf = None
+        if rec.home not in (GradHome.NONE, GradHome.PERMANENT):
+            with self.cache.lock:
+                if rec.home not in (GradHome.NONE, GradHome.PERMANENT):
+                    rec.home = transition(u.name, "grad home", rec.home, GradHome.NONE)
+
+    # -- over the ranks ------------------------------------------------------------------
+
+    def reduce(self, u) -> None:
+        """ZeRO and data parallelism: starts summing ``u``'s gradients over the
+        ranks (into its own shard under ZeRO; see [Note: ZeRO shards in
+        infinity]), asynchronously, so backward goes on. The ticket joins the
+        unit's tickets: whatever reads or frees the gradients waits for it;
+        stages 2-3 free the full buffer once it is done."""
+        rec = u.grads
+        self.wait(u)
+        if rec.grad is None:
+            # Spilled to NVMe (read back), or no gradient on this rank (contribute zeros).
+            spilled = rec.home is GradHome.SPILLED
+            self.acquire(u)
+            if not spilled:
+                rec.grad.zero_()
+        if not self.modes.zero:  # plain data parallelism: every rank keeps the sum
+            t = self.sharding.all_reduce_(rec.grad, async_op=True)
+        else:
+            t = self.sharding.reduce_scatter(rec.shard, rec.grad, async_op=True)
+        rec.tickets.append(t)
+        rec.reduced = True
+        if self.modes.zero >= 2:
+            self._reducing.append(u)
+            while len(self._reducing) > MAX_REDUCING:
+                self._release_reduced(self._reducing.pop(0))
+
+    def _release_reduced(self, u) -> None:
+        if u.grads.home is GradHome.CLAIMED:
+            return  # the update job frees them
+        self.release(u)
+
+    def finish_reductions(self) -> None:
+        """Waits for every reduction; stages 2-3 free the full gradients."""
+        self.drain()
+        for u in self._reducing:
+            self._release_reduced(u)
+        self._reducing = []
+
+    # -- the step ------------------------------------------------------------------------
+
+    def update_input(self, u) -> Optional[torch.Tensor]:
+        """The buffer an update reads: the own shard under ZeRO, else the full one."""
+        return u.grads.shard if self.modes.zero else u.grads.grad
+
+    def swap_delayed(self, u) -> torch.Tensor:
+        """Delayed mode: returns this step's buffer; the next backward fills the other."""
+        rec = u.grads
+        grad, rec.grad, rec.next_grad = rec.grad, rec.next_grad, rec.grad
+        return grad
+
+    def consume(self, u) -> None:
+        """The step read ``u``'s gradients: the buffers are free for the next
+        accumulation window (overwritten, not zeroed, by its first gradients)."""
+        if self.modes.opt_nvme or self.modes.zero >= 2:
+            self.release(u)
+        rec = u.grads
+        rec.reduced = False
+        if rec.state is GradState.ACCUMULATING:
+            rec.state = transition(u.name, "grad", rec.state, GradState.CLEAN)
+        rec.written = [False] * len(rec.written)
+
+    def kept_bytes(self) -> int:
+        """Host bytes of gradient buffers kept for good (the ZeRO 1/N share: stages 2-3 keep shards only)."""
+        total = 0
+        for u in self.units:
+            rec = u.grads
+            kept = {id(rec.shard): rec.shard} if self.modes.zero >= 2 else {id(rec.grad): rec.grad,
+                                                                             id(rec.shard): rec.shard}
+            total += sum(t.numel() * t.element_size() for t in kept.values() if t is not None)
+        return total

@@ -1,0 +1,489 @@
+"""Host buffers under ``host_memory``: permanent homes, transient buffers with
+the reclaim ladder, the cache of NVMe-homed compute copies, write-back of
+dirty copies with the producer's checksums, and frees deferred until a write
+from the buffer is done.
+
+Owns ``unit.host`` (a :class:`HostRecord`) and the host lock; nothing else
+writes them. Which cached copy to drop is policy.py's choice. See [Note: NVMe
+homes and the host cache] in nvme.py and [Note: host copy states] in state.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from ...io.errors import PoolExhausted
+from ..plan import policy
+from ..mechanism.nvme import key as swap_key
+from ..plan.placement import nbytes, round_pool, spillable
+from ..plan.state import CacheState, transition
+from ..mechanism.tiers import BudgetError, HostTier
+from ..plan.trace import NEVER
+
+__all__ = ["HostRecord", "HostCache", "OwnedLock"]
+
+
+@dataclass
+class HostRecord:
+    """A unit's host compute copy (written by host_cache.py only)."""
+
+    state: CacheState = CacheState.NONE
+    compute: Optional[torch.Tensor] = None  # the home, or the cached copy of an NVMe home
+    buf: object = None        # pool handle of a cached copy (None: a permanent home, or none)
+    busy: object = None       # the transfer reading ``compute`` (a fetch ticket)
+    sums: object = None       # CRC32C of ``compute`` from the update that made it dirty
+    write: object = None      # the write-back of an evicted copy, in flight
+    locks: int = 0            # updates writing ``compute`` now
+    next_compute: Optional[torch.Tensor] = None  # delayed mode: the buffer the queued update writes
+    spilled: bool = False     # a host home moved to the swap files under memory pressure (see spill)
+
+
+class OwnedLock:
+    """A re-entrant lock that can be let go of entirely for a wait and taken
+    back to the same depth (an update the waiter waits for needs it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: Optional[int] = None
+        self._depth = 0
+
+    def __enter__(self) -> "OwnedLock":
+        me = threading.get_ident()
+        if self._owner != me:
+            self._lock.acquire()
+            self._owner = me
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+            self._lock.release()
+
+    def wait_unlocked(self, fn: Callable[[], object]) -> object:
+        """Runs ``fn`` with the lock let go of (if this thread holds it)."""
+        if self._owner != threading.get_ident():
+            return fn()
+        depth, self._depth, self._owner = self._depth, 0, None
+        self._lock.release()
+        try:
+            return fn()
+        finally:
+            self._lock.acquire()
+            self._owner, self._depth = threading.get_ident(), depth
+
+
+class HostCache:
+    """The host tier of one engine (see the module docstring).
+
+    ``wait_update`` (wait for one optimizer update in flight; True if one was
+    waited for) and ``drop_read_ahead(protect)`` (give back an optimizer
+    state read ahead; True if one was) are the ladder's last two rungs,
+    injected by the engine (see policy.HOST_ROOM_LADDER).
+    """
+
+    def __init__(self, units, modes, tier: HostTier, nvme, trace, stats):
+        self.cap_bytes: Optional[int] = None  # a soft cap on the pool's use while memory is tight (pressure.py)
+        self.units, self.modes, self.tier, self.nvme, self.trace, self.stats = units, modes, tier, nvme, trace, stats
+        self.lock = OwnedLock()
+        self._deferred: List[Tuple[object, object]] = []  # (I/O handle, buffer) freed when the write is done
+        self.wait_update: Callable[[], bool] = lambda: False
+        self.drop_read_ahead: Callable[[object], bool] = lambda protect: False
+        for u in units:
+            u.host = HostRecord()
+
+    # -- buffers ----------------------------------------------------------------------
+
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed host buffer kept for good (placement at ``initialize``);
+        evicts compute copies cached by earlier units' initialisation to make room."""
+        with self.lock:
+            while True:
+                try:
+                    return self.tier.alloc(numel, dtype)
+                except PoolExhausted:
+                    if self._make_room(None):
+                        continue
+                    raise BudgetError(f"host tier: {nbytes(numel, dtype)} bytes needed for a permanent buffer, "
+                                      f"{self.tier.free_bytes} of {self.tier.pool.capacity_bytes} free; "
+                                      "raise host_memory") from None
+
+    def acquire(self, numel: int, dtype: torch.dtype, zero: bool = False, protect=None, compute: bool = False):
+        """(tensor, handle) of a transient host buffer, climbing the reclaim
+        ladder (policy.HOST_ROOM_LADDER) until it fits. ``compute``: a compute
+        copy, taken from the top of the pool (fp32 state and gradients from
+        the bottom), so neither class fragments the other's free space."""
+        with self.lock:
+            if compute and self.cap_bytes is not None:
+                # Under memory pressure the compute-copy cache keeps below its cap (see pressure.py).
+                self.evict_to(self.cap_bytes - round_pool(nbytes(numel, dtype)), protect)
+            while True:
+                try:
+                    return self.tier.acquire(numel, dtype, zero, high=compute)
+                except PoolExhausted:
+                    if self._make_room(protect):
+                        continue
+                    # Any thread but the optimizer's own may wait for its work
+                    # (on CUDA backward hooks run on autograd's device thread);
+                    # that thread would wait for itself.
+                    if not threading.current_thread().name.startswith("infinity-host") \
+                            and self.lock.wait_unlocked(self.wait_update):
+                        continue
+                    if self.drop_read_ahead(protect):
+                        continue
+                    raise BudgetError(f"host tier: {nbytes(numel, dtype)} bytes needed, {self.tier.free_bytes} of "
+                                      f"{self.tier.pool.capacity_bytes} free and nothing left to evict; "
+                                      "raise host_memory or lower prefetch_depth") from None
+
+    def release(self, buf) -> None:
+        with self.lock:
+            self.tier.release(buf)
+
+    def _make_room(self, protect) -> bool:
+        """The ladder's first three rungs (call with the lock)."""
+        return bool(self.release_finished(block=False) or self.evict_one(protect)
+                    or self.release_finished(block=True))
+
+    def defer_release(self, handle, buf) -> None:
+        """Frees ``buf`` once ``handle`` (a write from it) completes."""
+        with self.lock:
+            self._deferred.append((handle, buf))
+
+    def release_finished(self, block: bool) -> bool:
+        """Frees buffers whose writes finished; with ``block`` waits for the
+        oldest if none has. True if anything was freed."""
+        with self.lock:
+            freed, keep = False, []
+            for h, buf in self._deferred:
+                if h.done():
+                    h.wait()  # raises the write's error, if any
+                    self.tier.release(buf)
+                    freed = True
+                else:
+                    keep.append((h, buf))
+            if not freed and block and keep:
+                h, buf = keep.pop(0)
+                h.wait()
+                self.tier.release(buf)
+                freed = True
+            self._deferred = keep
+            return freed
+
+    def wait_deferred(self) -> None:
+        """Waits (without the lock) for the writes of deferred frees queued so far."""
+        with self.lock:
+            handles = [h for h, _ in self._deferred]
+        for h in handles:
+            h.wait()
+
+    # -- the compute-copy cache -------------------------------------------------------
+
+    def evict_one(self, protect, done_only: bool = False, wait: bool = True) -> int:
+        """Drops policy's choice among the cached compute copies (never one a
+        transfer reads or an update writes). ``done_only``: only copies this
+        pass does not use again. A dirty copy is written back first; without
+        ``wait`` its buffer is freed when that write is done. Returns the
+        bytes freed or to be freed (0: none)."""
+        with self.lock:
+            cands = [u for u in self.units
+                     if u is not protect and u.host.buf is not None and not u.host.locks
+                     and not (done_only and self.trace.next_use(u.index) != NEVER)
+                     and (u.host.busy is None or u.host.busy.done())]
+            v = policy.victim(cands, self.trace, lambda x: x.index, lambda x: x.dev.last_used)
+            if v is None:
+                return 0
+            h = v.host
+            freed = round_pool(h.compute.numel() * h.compute.element_size())
+            if h.state is CacheState.DIRTY:
+                # Write-back: a copy updated while cached reaches NVMe only now, so
+                # a unit that stays cached costs no swap writes step after step.
+                handle = self.nvme.write(swap_key(v.index, "compute"), h.compute, h.sums)
+                h.sums = None
+                if not wait:
+                    h.state = transition(v.name, "host", h.state, CacheState.WRITING_BACK)
+                    h.write = handle  # a read of this copy waits for it (_settle_write_back)
+                    self._deferred.append((handle, h.buf))
+                    h.compute = h.buf = h.busy = None
+                    return freed
+                handle.wait()
+                h.state = transition(v.name, "host", h.state, CacheState.CLEAN)
+            self.tier.release(h.buf)
+            h.state = transition(v.name, "host", h.state, CacheState.NONE)
+            h.compute = h.buf = h.busy = None
+            return freed
+
+    def evict_to(self, used_bytes: int, protect=None) -> int:
+        """Evicts cached compute copies until the pool uses at most ``used_bytes``
+        (or nothing is left to evict); returns the bytes freed."""
+        freed = 0
+        with self.lock:
+            while self.tier.used_bytes > used_bytes:
+                got = self.evict_one(protect)
+                if not got:
+                    break
+                freed += got
+        return freed
+
+    def settle_write_back(self, u) -> None:
+        """Waits for a write-back of ``u``'s evicted copy still in flight (before its NVMe copy is rewritten)."""
+        with self.lock:
+            self._settle_write_back(u)
+
+    def _settle_write_back(self, u) -> None:
+        """Waits for a write-back of ``u``'s evicted copy still in flight, so a
+        read of the NVMe copy sees the new bytes."""
+        h = u.host
+        if h.write is not None:
+            h.write.wait()
+            h.write = None
+        if h.state is CacheState.WRITING_BACK:
+            h.state = transition(u.name, "host", h.state, CacheState.NONE)
+
+    def load(self, u):
+        """Makes sure ``u``'s compute copy has a host buffer; returns the NVMe
+        read filling it, or None if it was cached."""
+        with self.lock:
+            h = u.host
+            if h.compute is not None:
+                return None
+            comp, buf = self.acquire(u.place.home_numel, self.modes.dtype, protect=u, compute=True)
+            self._settle_write_back(u)
+            h.compute, h.buf = comp, buf
+            h.state = transition(u.name, "host", h.state, CacheState.CLEAN)
+            # Busy until the read is done: no eviction may free the buffer it
+            # fills (a fetch replaces this by its own transfer, which waits for it).
+            h.busy = self.nvme.read(swap_key(u.index, "compute"), comp)
+            return h.busy
+
+    def nvme_home(self, u) -> bool:
+        """``u``'s compute copy lives in the swap files (``offload_params="nvme"``, or spilled)."""
+        return self.modes.params_nvme or u.host.spilled
+
+    def for_fetch(self, u):
+        """(host copy, NVMe read filling it or None): the source of a fetch."""
+        read = self.load(u) if self.nvme_home(u) else None
+        return u.host.compute, read
+
+    def reading(self, u, ticket) -> None:
+        """A transfer (``ticket``) now reads ``u``'s host copy."""
+        u.host.busy = ticket
+
+    def home(self, u) -> Optional[torch.Tensor]:
+        """``u``'s host compute copy, or None."""
+        return u.host.compute
+
+    # -- homes and updates ---------------------------------------------------------------
+
+    def set_home(self, u, compute: torch.Tensor, next_compute: Optional[torch.Tensor] = None) -> None:
+        """``u``'s permanent host compute copy (and the delayed mode's second one)."""
+        h = u.host
+        h.compute, h.next_compute = compute, next_compute
+        h.state = transition(u.name, "host", h.state, CacheState.HOME)
+
+    def keep_cached(self, u, compute: torch.Tensor, buf) -> None:
+        """A copy just written to NVMe stays cached, clean, while the budget has room."""
+        with self.lock:
+            u.host.compute, u.host.buf = compute, buf
+            u.host.state = transition(u.name, "host", u.host.state, CacheState.CLEAN)
+
+    def swap_next(self, u) -> None:
+        """Delayed mode: the queued update's buffer becomes the home."""
+        h = u.host
+        h.compute, h.next_compute = h.next_compute, h.compute
+
+    def open_for_update(self, u, whole: bool = False) -> Optional[torch.Tensor]:
+        """The host buffer an update writes ``u``'s new compute copy into, once
+        no transfer to the device reads it (None: the master is the compute
+        copy). ``whole``: the update writes every trainable parameter (else
+        the old copy is read first). Pair with :meth:`close_update`."""
+        h = u.host
+        if not self.nvme_home(u):
+            if h.busy is not None:
+                h.busy.wait()  # a host barrier: a fetch may still read the old copy
+            return h.compute
+        if u.place.aliased:
+            return None
+        with self.lock:
+            if h.compute is None and whole and len(u.layout.trainable_slots) == len(u.layout.slots) \
+                    and self.modes.zero == 0:
+                # Every parameter gets written: no need to read the old copy,
+                # only to zero the padding between them.
+                from ..plan.units import Layout
+                comp, buf = self.acquire(u.place.compute_numel, self.modes.dtype, protect=u, compute=True)
+                Layout.zero_padding(comp, u.layout.slots)
+                self._settle_write_back(u)
+                h.compute, h.buf = comp, buf
+                h.state = transition(u.name, "host", h.state, CacheState.CLEAN)
+            elif h.compute is None:
+                self.load(u).wait()  # frozen parameters must be there too
+            elif h.busy is not None and not h.busy.done():
+                if getattr(h.busy, "inner", True) is None:
+                    raise RuntimeError(f"internal: unit {u.name!r} updated while its fetch is pending")
+                h.busy.wait()
+            h.locks += 1
+            return h.compute
+
+    def close_update(self, u, sums=None) -> None:
+        """Ends an update's write into ``u``'s compute copy (begun by
+        :meth:`open_for_update` or :meth:`lock_master`): the copy is dirty,
+        written back with ``sums`` (the update's checksums of the whole copy,
+        or None) when evicted."""
+        if not self.nvme_home(u):
+            return
+        with self.lock:
+            h = u.host
+            if h.state is not CacheState.DIRTY:
+                h.state = transition(u.name, "host", h.state, CacheState.DIRTY)
+            h.sums = sums
+            h.locks -= 1
+
+    def lock_master(self, u):
+        """[Note: fp32 master aliasing]: the cached compute copy is the master;
+        holds it for an update (see :meth:`close_update`). Returns the copy and
+        the transfer to wait for before reading it (an NVMe read or a fetch
+        still copying it up), or None."""
+        with self.lock:
+            read = self.load(u)
+            h = u.host
+            if read is None and h.busy is not None and not h.busy.done():
+                read = h.busy
+            h.locks += 1
+            h.sums = None  # updated in place from here on
+            return h.compute, read
+
+    def unlock_master(self, u) -> None:
+        """Lets go of :meth:`lock_master` without an update (nothing changed)."""
+        with self.lock:
+            u.host.locks -= 1
+
+    def read_compute(self, u) -> Optional[torch.Tensor]:
+        """``u``'s home compute copy (this rank's shard under ZeRO-3) as a CPU
+        tensor: the buffer itself, or a temporary read from NVMe; None if
+        there is no host copy (device-resident parameters)."""
+        h = u.host
+        if h.compute is not None:
+            return h.compute
+        if not self.nvme_home(u):
+            return None
+        self._settle_write_back(u)
+        return self._read_nvme_home(u)
+
+    def _read_nvme_home(self, u) -> torch.Tensor:
+        """A temporary copy of ``u``'s NVMe compute copy (no write of it in flight)."""
+        out = torch.empty(u.place.home_numel, dtype=self.modes.dtype)
+        self.nvme.read(swap_key(u.index, "compute"), out).wait()
+        return out
+
+    def read_detached(self, u) -> Optional[torch.Tensor]:
+        """:meth:`read_compute` for a reader on another thread while training
+        runs (see Engine.read_detached): a copy cached in the pool is cloned
+        under the lock (once any read filling it is done), an NVMe home is
+        read into a temporary; a host home is returned as it is."""
+        h = u.host
+        with self.lock:
+            if h.compute is not None:
+                if h.buf is None:
+                    return h.compute
+                if h.busy is not None:
+                    h.busy.wait()
+                return h.compute.clone()
+            if not self.nvme_home(u):
+                return None
+            self._settle_write_back(u)
+        return self._read_nvme_home(u)
+
+    def store_compute(self, u, home: torch.Tensor) -> None:
+        """Writes ``home`` as ``u``'s NVMe compute copy now (values loaded
+        from outside); a cached copy is then clean."""
+        with self.lock:
+            h = u.host
+            if h.busy is not None:
+                h.busy.wait()
+            self.nvme.write(swap_key(u.index, "compute"), home).wait()
+            h.sums = None
+            if h.state is CacheState.DIRTY:
+                h.state = transition(u.name, "host", h.state, CacheState.CLEAN)
+
+    # -- spilling homes under memory pressure (pressure.py) -------------------------------
+
+    def can_spill(self, u) -> bool:
+        """``u``'s permanent host home may move to the swap files: the NVMe
+        tier reserved room for it (placement.spillable), no update
+        holds it, and it is not the delayed mode's pair of buffers."""
+        h = u.host
+        return spillable(self.modes) and h.state is CacheState.HOME and not h.locks
+
+    def spill(self, u) -> int:
+        """Writes ``u``'s host home to the swap files and gives its buffer
+        back: from now on it is an NVMe home, cached like any. Returns the bytes freed."""
+        with self.lock:
+            h = u.host
+            if not self.can_spill(u):
+                return 0
+            if h.busy is not None:
+                h.busy.wait()  # a fetch may still copy from the buffer
+            self.nvme.write(swap_key(u.index, "compute"), h.compute).wait()
+            freed = round_pool(h.compute.numel() * h.compute.element_size())
+            self.tier.free(h.compute)
+            h.compute = h.busy = None
+            h.spilled = True
+            h.state = transition(u.name, "host", h.state, CacheState.NONE)
+            return freed
+
+    def take_home(self, u) -> bool:
+        """Undoes :meth:`spill`: ``u`` gets a permanent host home again, filled
+        from its cached copy or the swap file. False (still spilled) when the
+        pool has no room for it now."""
+        with self.lock:
+            h = u.host
+            if not h.spilled or h.locks:
+                return False
+            try:
+                home = self.alloc(u.place.home_numel, self.modes.dtype)
+            except BudgetError:
+                return False
+            if h.compute is not None:  # cached (clean or dirty): the newest bytes
+                if h.busy is not None:
+                    h.busy.wait()
+                home.copy_(h.compute)
+                self.tier.release(h.buf)
+            else:
+                self._settle_write_back(u)
+                self.nvme.read(swap_key(u.index, "compute"), home).wait()
+            h.compute, h.buf, h.busy, h.sums, h.spilled = home, None, None, None, False
+            h.state = transition(u.name, "host", h.state, CacheState.HOME)
+            return True
+
+    # -- teardown --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for every deferred write (none may still read a buffer when
+        the pool goes); raises the first error met, after waiting for all.
+        The caller closes the NVMe tier, then :meth:`close_pool`."""
+        first = None
+        with self.lock:
+            for h, _ in self._deferred:
+                try:
+                    h.wait()
+                except Exception as e:  # noqa: BLE001 - the others are still waited for
+                    first = first or e
+            self._deferred = []
+        if first is not None:
+            raise first
+
+    def close_pool(self) -> None:
+        self.tier.close()
+
+    def forget_transfers(self) -> None:
+        for u in self.units:
+            u.host.busy = None
+
+    def drop_buffers(self) -> None:
+        """After teardown: forgets every unit's host buffers (see Engine._drop_buffers)."""
+        for u in self.units:
+            u.host = HostRecord()

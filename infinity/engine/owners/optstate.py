@@ -1,0 +1,287 @@
+"""The fp32 master and Adam moments of every unit: resident in memory (host
+or device) for good, or homed on NVMe and checked out to host buffers for
+the unit being updated, read ahead while another is, checked in (written
+back with the update's checksums) after.
+
+Owns ``unit.opt`` (an :class:`OptRecord`); nothing else writes it. See
+[Note: NVMe homes and the host cache] in nvme.py and [Note: optimizer-state
+states] in state.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..mechanism.nvme import key as swap_key
+from ..plan.placement import nbytes, round_pool
+from ..plan.state import OptState, transition
+from ..mechanism.tiers import BudgetError
+
+__all__ = ["OptRecord", "OptimizerState", "KINDS"]
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class OptRecord:
+    """A unit's optimizer state (written by optstate.py only)."""
+
+    state: OptState = OptState.NONE
+    master: Optional[torch.Tensor] = None
+    exp_avg: Optional[torch.Tensor] = None
+    exp_avg_sq: Optional[torch.Tensor] = None
+    bufs: list = field(default_factory=list)  # pool handles while checked out (or read ahead)
+    pending: Optional[list] = None            # reads of a read-ahead not claimed yet
+    fresh: bool = False                       # NVMe moments never written: they are zeros
+
+
+class OptimizerState:
+    """Master and moments of ``units``; ``cache`` is the host cache."""
+
+    def __init__(self, units, modes, cache, nvme, sharding):
+        self.units, self.modes, self.cache, self.nvme, self.sharding = units, modes, cache, nvme, sharding
+        for u in units:
+            u.opt = OptRecord()
+
+    def drop_buffers(self) -> None:
+        """After teardown: forgets every unit's optimizer-state buffers (see Engine._drop_buffers)."""
+        for u in self.units:
+            u.opt = OptRecord()
+
+    # -- placement ------------------------------------------------------------------------
+
+    def set_resident(self, u, master, exp_avg, exp_avg_sq) -> None:
+        """Master and moments kept in memory for good (host or device)."""
+        o = u.opt
+        o.master, o.exp_avg, o.exp_avg_sq = master, exp_avg, exp_avg_sq
+        o.state = transition(u.name, "optimizer state", o.state, OptState.RESIDENT)
+
+    def resident_view(self, u, kind: str) -> Optional[torch.Tensor]:
+        """``u``'s whole ``kind`` buffer (fp32, its trainable numel) where it
+        lives in host memory unsharded, for a loader to read into in place;
+        else None."""
+        o = u.opt
+        if o.state is not OptState.RESIDENT or self.modes.zero or not u.place.trainable:
+            return None
+        t = getattr(o, kind)
+        if t is None or t.device.type != "cpu" or t.dtype != torch.float32:
+            return None
+        return t[:u.place.trainable_numel]
+
+    def set_home_nvme(self, u, master_shard: Optional[torch.Tensor]) -> None:
+        """Master (unless aliased to the compute copy) written to NVMe; the
+        moments start as zeros, read from nowhere until first written."""
+        o = u.opt
+        if master_shard is not None:
+            self.nvme.write(swap_key(u.index, "master"), master_shard).wait()
+        o.fresh = True
+        o.state = transition(u.name, "optimizer state", o.state, OptState.HOME)
+
+    # -- check out / in ---------------------------------------------------------------------
+
+    def checkout(self, u) -> list:
+        """Starts reading ``u``'s master and moments from NVMe into host
+        buffers for its update; the handles to wait on (a read-ahead's, if
+        one ran). Memory-resident state needs nothing: []."""
+        o = u.opt
+        if o.state is OptState.RESIDENT:
+            return []
+        with self.cache.lock:
+            if o.state is OptState.READING_AHEAD:
+                handles, o.pending = o.pending, None
+                o.state = transition(u.name, "optimizer state", o.state, OptState.CHECKED_OUT)
+                return handles
+            handles = self._read(u)
+            o.state = transition(u.name, "optimizer state", o.state, OptState.CHECKED_OUT)
+            return handles
+
+    def _read(self, u) -> list:
+        """Host buffers for ``u``'s state and the reads filling them (with the cache lock)."""
+        o, tn = u.opt, u.place.state_numel
+        handles, bufs, kinds = [], [], KINDS
+        if u.place.aliased:
+            # The master is the cached compute copy, held until checkin.
+            comp, read = self.cache.lock_master(u)
+            if read is not None:
+                handles.append(read)
+            o.master = comp[:tn]
+            kinds = KINDS[1:]
+        for kind in kinds:
+            fresh = kind != "master" and o.fresh
+            t, buf = self.cache.acquire(tn, torch.float32, zero=fresh, protect=u)
+            setattr(o, kind, t)
+            bufs.append(buf)
+            if not fresh:
+                handles.append(self.nvme.read(swap_key(u.index, kind), t))
+        o.bufs = bufs
+        return handles
+
+    def checkin(self, u, sums: Optional[dict]) -> None:
+        """Writes ``u``'s updated state back to NVMe (asynchronously; the
+        buffers are freed when the writes are done), with the update's
+        checksums ``sums`` (kind -> sums, or None). Resident state: nothing."""
+        o = u.opt
+        if o.state is OptState.RESIDENT:
+            return
+        sums = sums or {}
+        kinds = KINDS[1:] if u.place.aliased else KINDS
+        for kind, buf in zip(kinds, o.bufs):
+            h = self.nvme.write(swap_key(u.index, kind), getattr(o, kind), sums.get(kind))
+            self.cache.defer_release(h, buf)
+        self._forget(u)
+        o.fresh = False
+
+    def discard(self, u) -> None:
+        """Gives back the buffers of state checked out or read ahead and not
+        changed (a unit with no gradient this step; the NVMe copies stand)."""
+        o = u.opt
+        if o.state is OptState.RESIDENT:
+            return
+        with self.cache.lock:
+            for buf in o.bufs:
+                self.cache.tier.release(buf)
+            if u.place.aliased and o.state is not OptState.HOME:
+                self.cache.unlock_master(u)
+            self._forget(u)
+
+    def forget_read_ahead(self, u) -> None:
+        """Drops a read-ahead of ``u``'s old state (its values are about to be replaced)."""
+        o = u.opt
+        if o.state is OptState.READING_AHEAD:
+            for h in o.pending:
+                h.wait()
+            self.discard(u)
+
+    def _forget(self, u) -> None:
+        o = u.opt
+        o.bufs, o.pending = [], None
+        o.master = o.exp_avg = o.exp_avg_sq = None
+        if o.state is not OptState.HOME:
+            o.state = transition(u.name, "optimizer state", o.state, OptState.HOME)
+
+    # -- read-ahead ----------------------------------------------------------------------
+
+    def read_ahead(self, u, evict_done: bool = False) -> bool:
+        """Starts checking ``u`` out early if the host budget has room now; its
+        update then finds the state read. ``evict_done``: make room by
+        evicting cached compute copies this pass no longer uses (writing dirty
+        ones back); else never waits. True if the reads started."""
+        if u.opt.state is not OptState.HOME or not u.place.trainable:
+            return False
+        need = self._read_ahead_bytes(u)
+        freeing = 0
+        with self.cache.lock:
+            while evict_done and self.cache.tier.free_bytes + freeing < need:
+                n = self.cache.evict_one(u, done_only=True, wait=False)
+                if not n:
+                    break
+                freeing += n
+        if freeing:
+            # The write-backs finish without the lock, which the compute
+            # thread needs meanwhile for its gradient buffers.
+            self.cache.wait_deferred()
+        with self.cache.lock:
+            if u.opt.state is not OptState.HOME:
+                return False
+            self.cache.release_finished(block=False)
+            if self.cache.tier.free_bytes < need:
+                return False
+            try:
+                pending = self._read(u)
+            except BudgetError:
+                return False
+            u.opt.pending = pending
+            u.opt.state = transition(u.name, "optimizer state", u.opt.state, OptState.READING_AHEAD)
+            return True
+
+    def _read_ahead_bytes(self, u) -> int:
+        p = u.place
+        need = (2 if p.aliased else 3) * round_pool(nbytes(p.state_numel, torch.float32))
+        if p.aliased and u.host.compute is None:
+            need += round_pool(nbytes(p.compute_numel, self.modes.dtype))
+        return need + round_pool(nbytes(p.trainable_numel, torch.float32))  # the gradients arriving meanwhile
+
+    def drop_read_ahead(self, protect) -> bool:
+        """The ladder's last rung (with the cache lock): gives back one state
+        read ahead and not claimed (a read-ahead is a cache; memory needed now
+        comes first; the update reads it again). True if one was dropped."""
+        for u in self.units:
+            if u is protect or u.opt.state is not OptState.READING_AHEAD:
+                continue
+            for h in u.opt.pending:
+                h.wait()
+            self.discard(u)
+            return True
+        return False
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def read(self, u, kind: str) -> Optional[torch.Tensor]:
+        """``u``'s full ``kind`` ("master", "exp_avg", "exp_avg_sq") as a CPU
+        (or device) tensor from wherever it lives: the buffer itself, or a
+        temporary (gathered over the ranks under ZeRO: every rank calls
+        this); None if the unit has no optimizer state."""
+        o, p = u.opt, u.place
+        if not p.trainable:
+            return None
+        t = getattr(o, kind)
+        if t is None and o.state is OptState.NONE:
+            return None
+        if t is None:
+            t = self.read_home(u, kind)
+        if self.modes.zero:
+            return self.sharding.all_gather(t, p.trainable_numel)
+        return t
+
+    def read_home(self, u, kind: str) -> torch.Tensor:
+        """A temporary copy of ``kind`` from its NVMe home (this rank's shard)."""
+        p = u.place
+        if kind == "master" and p.aliased:
+            return self.cache.read_compute(u)[:p.trainable_numel]
+        if kind != "master" and u.opt.fresh:
+            return torch.zeros(p.state_numel)
+        out = torch.empty(p.state_numel, dtype=torch.float32)
+        self.nvme.read(swap_key(u.index, kind), out).wait()
+        return out
+
+    def write_moments(self, u, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Replaces ``u``'s moments by the full tensors given (CPU fp32 of the
+        unit's trainable numel), this rank's shard of them under ZeRO, wherever
+        they live (in place in memory, rewritten on NVMe)."""
+        self.write_moments_from(u, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}.__getitem__)
+
+    @torch.no_grad()
+    def write_moments_from(self, u, source) -> None:
+        """:meth:`write_moments` with ``source(kind)`` giving each full tensor
+        in turn, asked for once the one before is written (a loader may
+        hand out one buffer for both)."""
+        o, p = u.opt, u.place
+        self.forget_read_ahead(u)
+        lo, hi = self.sharding.shard(p.trainable_numel)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            shard = source(kind)[lo:hi]
+            if o.state is OptState.RESIDENT:
+                dst = getattr(o, kind)
+                if dst.data_ptr() != shard.data_ptr():  # else read into it in place (resident_view)
+                    dst.copy_(shard)
+            elif o.state is OptState.HOME:
+                self.nvme.write(swap_key(u.index, kind), shard.contiguous()).wait()
+            else:
+                raise RuntimeError(f"internal: unit {u.name!r}: moments written while {o.state.value}")
+        if o.state is OptState.HOME:
+            o.fresh = False
+
+    def kept_bytes(self) -> dict:
+        """Bytes kept for good per kind (the ZeRO 1/N shares)."""
+        out = {k: 0 for k in KINDS}
+        for u in self.units:
+            if u.opt.state is not OptState.RESIDENT:
+                continue
+            for kind in KINDS:
+                t = getattr(u.opt, kind)
+                out[kind] += t.numel() * t.element_size()
+        return out

@@ -1,0 +1,221 @@
+"""The peak bytes a run will take per tier, before any memory is touched.
+
+The model (on the meta device) is split into paging units and placed exactly
+as ``infinity.initialize`` does; the tier figures then follow from the
+engine's own placement arithmetic (``infinity.engine.plan.placement``):
+
+- device: the arena fills with the pass units and as many paged units as fit
+  (the arena is what the budget leaves after the gradient reserve and any
+  device-side optimizer state), plus the gradients between autograd and their
+  copy out (about the largest parameter's);
+- host: the pool's permanent homes and, under ZeRO, the full gradients
+  being reduced; with NVMe homes the pool caches up to its budget;
+- nvme: the bytes the swap files hold (compute copies, master, moments);
+- process RSS: the interpreter and libraries as they are now (measured in
+  this process), the model's fp32 tensors while ``initialize`` copies them
+  (unless built under ``infinity.init``), the host pool, on a CPU "device" the
+  device tier and the activations, the NVMe staging buffers and a fixed
+  runtime overhead (``RUNTIME_BYTES``, measured: autograd, kernels' workspace
+  and allocator caches, the optimizer's threads).
+
+Activations are measured by running the model's forward on meta tensors and
+summing what autograd saves for backward (parameters excluded: they are the
+tiers'). Without checkpointing that is about the peak, since backward frees
+each block's saved tensors as it makes their gradients. With activation
+checkpointing only the checkpoints are saved, and a recomputed block's
+activations, their gradients and temporaries come on top during its backward:
+``RECOMPUTE_UNITS`` blocks' worth (the most one unit's call saves, measured
+with checkpointing off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn as nn
+
+from ...system import sysinfo
+from ...config.runtime import Config
+from .placement import Modes, device_need, host_need, modes_of, nbytes, nvme_capacity, place_unit
+from .units import build_units
+
+__all__ = ["estimate_peaks", "activation_bytes", "placed", "compute_device", "RUNTIME_BYTES"]
+
+RUNTIME_BYTES = 48 << 20    # measured: RSS a step adds beyond the parts counted here (docs/cli.md)
+RECOMPUTE_UNITS = 3         # blocks' worth of activations a checkpointed block's backward holds (measured)
+STAGING_PER_PATH = 2        # NVMe staging buffers of swap_block_size per swap path (NvmeTier)
+
+
+def compute_device(config: Config) -> torch.device:
+    """Where the run computes: ``Config.device``, with ``"auto"`` as the run
+    would resolve it here; a ``cuda`` config is estimated as CUDA even on a
+    machine without it (planning a GPU run)."""
+    gpu = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if gpu else "cpu")
+
+
+def placed(model: nn.Module, config: Config, world: int = 1):
+    """``(units, modes, places)``: ``model`` split into paging units and placed
+    as ``initialize`` would on each of ``world`` ranks (no memory touched)."""
+    modes = modes_of(config, world, compute_device(config))
+    units = build_units(model, config.unit_classes, {}, world if config.zero_stage else 1)
+    return units, modes, [place_unit(u.layout, modes) for u in units]
+
+
+def activation_bytes(model: nn.Module, run: Callable[[nn.Module], torch.Tensor],
+                     unit_modules=()) -> Dict[str, int]:
+    """What autograd saves for backward in ``run(model)`` (a forward on meta
+    tensors returning the loss), parameters excluded, each storage once:
+    ``saved`` (bytes), ``unit`` (the most saved inside one call of one of
+    ``unit_modules``, the paging units' modules, measured with activation
+    checkpointing off: what a block's backward holds, and with checkpointing
+    what its recomputation adds), ``checkpointing`` (1 if the model
+    checkpoints) and ``saved_other`` (``saved`` with checkpointing the other
+    way, where the model can switch it: the built-in GPT, Hugging Face
+    models; else -1)."""
+    on = _checkpointing_state(model)
+    saved, unit = _saved(model, run, unit_modules)
+    other = -1
+    with _checkpointing(model, not on) as switched:
+        if switched:
+            other, unit_other = _saved(model, run, unit_modules)
+            unit = unit_other if on else unit
+    return {"saved": saved, "unit": unit, "checkpointing": int(on), "saved_other": other}
+
+
+def _saved(model: nn.Module, run, unit_modules):
+    """(bytes saved in all, the most saved within one unit module's call)."""
+    params = {id(p) for p in model.parameters()}
+    seen: Dict[int, int] = {}
+    keep, stack, per_call = [], [], [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in params and id(t) not in params and id(base) not in seen:
+            keep.append(base)  # referenced, so its id stays its own
+            seen[id(base)] = base.numel() * base.element_size()
+            if stack:
+                stack[-1] += seen[id(base)]
+        return t
+
+    def pre(mod, args):
+        stack.append(0)
+
+    def post(mod, args, out):
+        per_call.append(stack.pop())
+
+    handles = [h for m in unit_modules for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(seen.values()), max(per_call)
+
+
+def _checkpointing_state(model: nn.Module) -> bool:
+    gpt = getattr(getattr(model, "cfg", None), "checkpoint", None)
+    return bool(gpt) if gpt is not None else bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+@contextlib.contextmanager
+def _checkpointing(model: nn.Module, on: bool):
+    """Activation checkpointing switched to ``on`` for a measurement (the
+    built-in GPT's ``cfg.checkpoint``, Hugging Face's gradient checkpointing);
+    yields whether the model could be switched, and switches it back."""
+    was = _checkpointing_state(model)
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and hasattr(cfg, "checkpoint"):
+        cfg.checkpoint = on
+        try:
+            yield True
+        finally:
+            cfg.checkpoint = was
+    elif getattr(model, "supports_gradient_checkpointing", False):
+        (model.gradient_checkpointing_enable if on else model.gradient_checkpointing_disable)()
+        try:
+            yield True
+        finally:
+            (model.gradient_checkpointing_enable if was else model.gradient_checkpointing_disable)()
+    else:
+        yield False
+
+
+def _act_peak(saved: int, unit: int, checkpointing) -> int:
+    return saved + (RECOMPUTE_UNITS * unit if checkpointing else 0)
+
+
+def _device_peak(places, modes: Modes, budget: Optional[int], largest_param_grad: int) -> Dict[str, int]:
+    need = device_need(places, [False] * len(places), modes)
+    budget = budget if budget is not None else need.everything
+    arena = need.arena_bytes(budget)
+    if modes.params_on_device:
+        fill = need.all_compute
+    else:
+        room = arena - places[0].compute_bytes
+        fill = places[0].compute_bytes
+        for p in sorted((p.compute_bytes for p in places[1:]), reverse=True):
+            if p <= room:
+                fill, room = fill + p, room - p
+    grads = min(need.grad_reserve, largest_param_grad) if modes.host_optimizer else 0
+    return {"model_state": fill + need.opt_fixed, "gradients_in_flight": grads,
+            "peak": fill + need.opt_fixed + grads, "budget": budget, "minimum": need.minimum}
+
+
+def _host_peak(places, modes: Modes, config: Config) -> Dict[str, int]:
+    h = host_need(places, modes)
+    budget = config.host_memory
+    # With NVMe homes the pool caches up to its budget; else the homes plus
+    # the ZeRO reductions' full gradients in flight (the placement's minimum).
+    extra = (min(h.capacity, budget) if budget else h.capacity) - h.permanent if modes.nvme_used \
+        else h.minimum - h.permanent
+    return {"model_state": h.permanent, "cache_and_transients": max(0, extra), "peak": h.permanent + max(0, extra),
+            "minimum": h.minimum, "capacity": h.capacity, "budget": budget, "nvme_bytes": h.nvme_bytes}
+
+
+def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.Module], torch.Tensor]] = None,
+                   *, world: int = 1, lazy: bool = False, baseline_rss: Optional[int] = None) -> Dict[str, Dict]:
+    """Peak bytes per tier for ``model`` (build it on the meta device) under
+    ``config`` on each of ``world`` ranks, split into parts; see the module
+    docstring. ``run(model)`` is one forward returning the loss on meta inputs
+    of the run's micro-batch (None: activations not counted). ``lazy``: the
+    model is built under ``infinity.init`` (its fp32 tensors never exist at
+    once). ``baseline_rss``: the process's RSS before the model is built
+    (default: this process's now)."""
+    units, modes, places = placed(model, config, world)
+    largest_grad = max((nbytes(p.numel(), modes.dtype) for p in model.parameters() if p.requires_grad), default=0)
+    dev = _device_peak(places, modes, config.device_memory, largest_grad)
+    host = _host_peak(places, modes, config)
+    nvme = {"peak": host["nvme_bytes"] if modes.nvme_used else 0,
+            "capacity": nvme_capacity(host_need(places, modes), len(units), len(config.swap_paths))
+            if modes.nvme_used else 0}
+    act = {"saved": 0, "unit": 0, "checkpointing": 0, "saved_other": -1}
+    if run is not None:
+        try:
+            act = activation_bytes(model, run, [m for u in units[1:] for m in u.modules])
+        except Exception as e:  # noqa: BLE001 - said in the result, not silently zero
+            act["error"] = f"the forward does not run on meta tensors ({type(e).__name__}: {e})"
+    # Without checkpointing the backward frees each block's saved tensors as it
+    # makes their gradients: the peak is about what was saved. With it, a
+    # recomputed block's activations, their gradients and temporaries come on
+    # top during its backward: about three blocks' worth (measured).
+    act_peak = _act_peak(act["saved"], act["unit"], act["checkpointing"])
+    if act["saved_other"] >= 0:  # the other way, for the user to compare
+        act["peak_" + ("without" if act["checkpointing"] else "with") + "_checkpointing"] = \
+            _act_peak(act["saved_other"], act["unit"], not act["checkpointing"])
+    act["peak_" + ("with" if act["checkpointing"] else "without") + "_checkpointing"] = act_peak
+    on_cpu = modes.device.type == "cpu"
+    staging = STAGING_PER_PATH * config.swap_block_size * len(config.swap_paths) if modes.nvme_used else 0
+    model_fp32 = 0 if lazy else sum(4 * p.numel() for p in model.parameters())
+    base = baseline_rss if baseline_rss is not None else sysinfo.rss_bytes()
+    training = host["peak"] + staging + RUNTIME_BYTES + ((dev["peak"] + act_peak) if on_cpu else 0)
+    at_init = model_fp32 + host["peak"]
+    rss = {"baseline": base, "model_fp32_at_initialize": model_fp32, "host_pool": host["peak"],
+           "device_tier_in_ram": dev["peak"] if on_cpu else 0, "activations": act_peak if on_cpu else 0,
+           "staging": staging, "runtime": RUNTIME_BYTES, "peak": base + max(training, at_init)}
+    dev["activations"] = 0 if on_cpu else act_peak  # on CUDA beside the tier, in the device's memory
+    return {"device": dev, "host": host, "nvme": nvme, "rss": rss, "activations": act,
+            "units": {"count": len(units), "parameters": sum(p.numel() for p in model.parameters())}}

@@ -1,0 +1,282 @@
+"""``InfinityOptimizer``: the optimizer ``infinity.initialize`` returns.
+
+A ``torch.optim.Optimizer`` whose ``param_groups`` hold the model's
+parameters (so torch LR schedulers work) but whose state lives in the
+units' flat fp32 buffers. The façade keeps the loss scale and the step's
+global gradient scale (unscaling, clipping, the fp16 overflow check); when
+updates run is the schedule's ([Note: when the optimizer runs] in
+schedule.py), one unit's update is update.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+# torch.optim.Optimizer imports torch._dynamo on first use. Imported after
+# init_process_group, it keeps the gloo group alive past destroy_process_group
+# (torch 2.13), and gloo then releases its last work during interpreter
+# shutdown, which can abort a finished run (SIGABRT). Imported with infinity,
+# usually before the process group exists, it does not.
+import torch._dynamo  # noqa: F401,E402
+
+from ...optim.functional import check_hyperparameters
+from ..faults import UsageError
+from .schedule import make_schedule
+from .update import Updater, written_runs
+
+__all__ = ["InfinityOptimizer"]
+
+log = logging.getLogger("infinity")
+
+
+class InfinityOptimizer(torch.optim.Optimizer):
+    """AdamW over the engine's units. Use like any torch optimizer:
+    ``step()``, ``zero_grad()``, LR schedulers on ``param_groups``.
+
+    fp16: multiply the loss by :meth:`scale_loss` before ``backward()``
+    (``optimizer.scale_loss(loss).backward()``); ``step()`` unscales, skips
+    the step on overflow and adjusts the scale (see :attr:`loss_scale`).
+    """
+
+    # torch.amp.GradScaler hands itself to step() (grad_scaler=), which refuses it: see step().
+    _step_supports_amp_scaling = True
+
+    def __init__(self, engine, param_groups: List[dict], defaults: dict):
+        self.engine = engine
+        self._built = False
+        super().__init__(param_groups, defaults)
+        self._built = True
+        self._scaled = self._warned_unscaled = False
+        cfg = engine.config
+        self.max_grad_norm = cfg.max_grad_norm
+        self.fp16 = cfg.dtype == "fp16"
+        self.loss_scale = float(cfg.initial_loss_scale if cfg.loss_scale == "dynamic" else cfg.loss_scale) \
+            if self.fp16 else 1.0
+        self._dynamic = self.fp16 and cfg.loss_scale == "dynamic"
+        self._good_steps = 0
+        self.last_grad_norm: Optional[float] = None
+        chunk = engine.nvme.sum_chunk_bytes if engine.modes.opt_nvme else None
+        self.updater = Updater(engine.modes, engine.sharding, self.param_groups, engine.stats, chunk,
+                               cfg.num_threads, engine.values_changed)
+        self.schedule = make_schedule(engine, self.updater, cfg.overlap, cfg.grad_accumulation_steps,
+                                      early_ok=self.max_grad_norm is None and not self.fp16)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (1 unless dtype is fp16)."""
+        self._scaled = True
+        return loss * self.loss_scale if self.fp16 else loss
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused after construction: the groups' parameters are placed at ``initialize``."""
+        if not self._built:
+            return super().add_param_group(param_group)
+        raise UsageError("optimizer.add_param_group after infinity.initialize: each parameter's optimizer "
+                         "state is placed at initialize. Pass every group to initialize(model, cfg, "
+                         "param_groups=[...]); a group's lr and other hyper-parameters may change at any time")
+
+    @property
+    def closed(self) -> bool:
+        """True after ``infinity.close(model)``."""
+        return self.engine.closed
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise UsageError(f"optimizer.{what} after infinity.close(model): the engine is gone; initialize "
+                             "the model again to go on training")
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        """Updates every unit; returns when each unit's new compute copy is in
+        its home tier (delayed mode: when this step's update is queued)."""
+        self._check_open("step()")
+        # Newer GradScalers set grad_scale/found_inf on the optimizer instead of passing themselves.
+        if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:
+            raise UsageError(
+                "torch.amp.GradScaler with infinity: the gradients go to infinity's tiers, where the scaler "
+                "cannot unscale or check them. Use infinity.Config(dtype='fp16') (dynamic loss scaling by "
+                "default) and optimizer.scale_loss(loss).backward() instead of scaler.scale(loss).backward()")
+        self._warn_unscaled()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g in self.param_groups:
+            check_hyperparameters(float(g["lr"]), g["betas"], g["eps"], g["weight_decay"])
+        eng = self.engine
+        had_grads = eng.gradients.micro_batches > 0  # torch keeps them (p.grad) until zero_grad()
+        with eng.faults.guard("optimizer.step()"):
+            if eng.in_pass and eng.pass_grad:
+                eng.end_pass()  # step() without a finished backward: release the pass
+            self.schedule.step(self)
+        eng.gradients.open_window(stepped=had_grads)
+        eng.after_step()
+        eng.stats.end_step_window()
+        return loss
+
+    def _warn_unscaled(self) -> None:
+        if self.fp16 and self.loss_scale != 1.0 and not self._scaled and not self._warned_unscaled:
+            self._warned_unscaled = True
+            warnings.warn("infinity: dtype='fp16' but the loss was not scaled: fp16 gradients of small values "
+                          "underflow to 0, and each step is unscaled by the loss scale. Call "
+                          "optimizer.scale_loss(loss).backward()", RuntimeWarning, stacklevel=3)
+        self._scaled = False
+
+    def global_scale(self, units_grads) -> Tuple[bool, float]:
+        """(skip, grad_scale): unscaling, clipping and the fp16 overflow check
+        over all gradients; ``units_grads`` lists (unit, grad buffer, written)."""
+        eng = self.engine
+        world = eng.sharding.world  # under data parallelism the gradients are sums over the ranks
+        inv = (1.0 / self.loss_scale if self.fp16 else 1.0) / world
+        if self.max_grad_norm is None and not self.fp16:
+            return False, inv
+        norm = math.sqrt(eng.sharding.sum_shards(self._sum_of_squares(units_grads))) / world
+        if not math.isfinite(norm):
+            self.last_grad_norm = norm
+            return True, inv
+        norm /= self.loss_scale if self.fp16 else 1.0
+        self.last_grad_norm = norm
+        coef = 1.0 if self.max_grad_norm is None else min(self.max_grad_norm / (norm + 1e-6), 1.0)
+        return False, inv * coef
+
+    def _sum_of_squares(self, units_grads) -> float:
+        """The squared L2 norm of the gradients (this rank's shards), read once."""
+        eng, parts = self.engine, []  # per unit, float64, where the gradients live
+        for u, grad, written in units_grads:
+            if grad is None and eng.modes.opt_nvme:
+                eng.gradients.load(u)  # spilled: read back for the norm (and dropped again)
+                grad = u.grads.grad
+            if grad is None:
+                continue
+            runs = [ab for ab in (self.updater.local(u, a, b, grad) for a, b in written_runs(u, written))
+                    if ab is not None]
+            if runs:
+                norms = torch._foreach_norm([grad[a:b] for a, b in runs], 2, dtype=torch.float32)
+                parts.append(torch.stack(norms).double().square().sum())
+            if eng.modes.opt_nvme:
+                eng.gradients.drop_loaded(u)
+        # One read of the result: on CUDA each float() would be a sync.
+        return float(torch.stack(parts).sum()) if parts else 0.0
+
+    def after_overflow_check(self, skip: bool) -> None:
+        """Counts a step skipped for a non-finite gradient norm (logged, in
+        ``stats``); fp16: adjusts the dynamic scale."""
+        if skip:
+            self.engine.stats.skipped_steps += 1
+            # fp16's dynamic scale skips a few steps by design while it finds its scale.
+            level = logging.INFO if self._dynamic else logging.WARNING
+            log.log(level, "infinity: optimizer step skipped: the gradient norm is %s (%d skipped so far)%s",
+                    self.last_grad_norm, self.engine.stats.skipped_steps,
+                    f"; loss scale {self.loss_scale:g}" if self.fp16 else "")
+        if not self.fp16:
+            return
+        cfg = self.engine.config
+        if skip:
+            self._good_steps = 0
+            if self._dynamic:
+                self.loss_scale = max(self.loss_scale / 2.0, float(cfg.min_loss_scale))
+        else:
+            self._good_steps += 1
+            if self._dynamic and self._good_steps % cfg.loss_scale_growth_interval == 0:
+                self.loss_scale *= 2.0
+
+    def flush(self) -> None:
+        """Delayed mode: wait for the queued update and apply it now (before
+        evaluation, checkpointing or the end of training). No-op otherwise."""
+        with self.engine.faults.guard("optimizer.flush()"):
+            self.schedule.flush()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forgets accumulated gradients (the buffers are overwritten by the
+        next backward rather than zeroed)."""
+        self._check_open("zero_grad()")
+        with self.engine.faults.guard("optimizer.zero_grad()"):
+            self.schedule.zero_grad()
+        for u in self.engine.units:
+            for s in u.layout.slots:
+                s.param.grad = None
+
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW-format state (``step``, ``exp_avg``, ``exp_avg_sq``
+        per parameter, CPU fp32 copies) and param groups."""
+        self.flush()
+        with self.engine.faults.guard("optimizer.state_dict()"):
+            return self._state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state of :meth:`state_dict`'s format (torch.optim.AdamW's):
+        every parameter's moments and step count, and the param groups'
+        hyperparameters. The parameters themselves come from the model's own
+        state. Raises naming the group or parameter whose size differs;
+        nothing changes then."""
+        self.flush()
+        with self.engine.faults.guard("optimizer.load_state_dict()"):
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, sd: dict) -> None:
+        groups, saved = self.param_groups, sd.get("param_groups")
+        if not isinstance(saved, list) or len(saved) != len(groups) or \
+                any(len(g["params"]) != len(s.get("params", ())) for g, s in zip(groups, saved)):
+            raise ValueError(f"load_state_dict: the state has {len(saved or [])} param groups of sizes "
+                             f"{[len(s.get('params', ())) for s in saved or []]}; this optimizer has {len(groups)} of "
+                             f"sizes {[len(g['params']) for g in groups]}")
+        order = [p for g in groups for p in g["params"]]
+        saved_ids = [i for s in saved for i in s["params"]]
+        per_param = {id(p): sd["state"].get(i) for p, i in zip(order, saved_ids)}
+        eng = self.engine
+        for u in eng.units:
+            self._check_unit_state(u, per_param)
+        for g, s in zip(groups, saved):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        for u in eng.units:
+            if u.place.trainable:
+                self._load_unit(u, per_param)
+
+    @staticmethod
+    def _check_unit_state(u, per_param: dict) -> None:
+        for s in u.layout.trainable_slots:
+            st = per_param.get(id(s.param))
+            if st is None:
+                continue
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k not in st or tuple(st[k].shape) != tuple(s.shape):
+                    got = tuple(st[k].shape) if k in st else "missing"
+                    raise ValueError(f"load_state_dict: {k} of parameter {s.name!r} is {got}, the parameter "
+                                     f"is {tuple(s.shape)}")
+
+    def _load_unit(self, u, per_param: dict) -> None:
+        """One unit's moments and step counts from ``per_param`` (param id -> torch state or None)."""
+        m, v = torch.zeros(u.place.trainable_numel), torch.zeros(u.place.trainable_numel)
+        for s in u.layout.trainable_slots:
+            st = per_param.get(id(s.param))
+            s.step = int(float(st["step"])) if st is not None else 0
+            if st is not None:
+                m[s.offset:s.offset + s.numel].copy_(st["exp_avg"].reshape(-1))
+                v[s.offset:s.offset + s.numel].copy_(st["exp_avg_sq"].reshape(-1))
+        self.engine.optstate.write_moments(u, m, v)
+
+    def _state_dict(self) -> dict:
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state, eng = {}, self.engine
+        for u in eng.units:
+            if not any(s.step for s in u.layout.trainable_slots):
+                continue
+            m, v = eng.read(u, "exp_avg"), eng.read(u, "exp_avg_sq")
+            for s in u.layout.trainable_slots:
+                if s.step == 0:
+                    continue
+                sl = slice(s.offset, s.offset + s.numel)
+                state[index[id(s.param)]] = {
+                    "step": torch.tensor(float(s.step)),
+                    "exp_avg": m[sl].detach().to("cpu", copy=True).view(s.shape),
+                    "exp_avg_sq": v[sl].detach().to("cpu", copy=True).view(s.shape),
+                }
+        groups = []
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = [index[id(p)] for p in g["params"]]
+            groups.append(d)
+        return {"state": state, "param_groups": groups}

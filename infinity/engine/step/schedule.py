@@ -1,0 +1,421 @@
+"""When updates run: in ``step()`` (:class:`StepSchedule`), during backward
+as each unit's gradients complete (:class:`BackwardSchedule`), or one step
+late beside the next forward and backward (:class:`DelayedSchedule`), behind
+one interface: ``unit_ready``, ``backward_done``, ``step``, ``flush``,
+``wait_one``, ``zero_grad``.
+
+[Note: when the optimizer runs]
+- overlap="step": in ``step()``, unit by unit, after backward.
+- overlap="backward": a unit's update is queued on the host worker thread as
+  soon as its last gradient has left the device during the last backward of
+  the accumulation window. It reads only host buffers and writes the master,
+  the moments and the host compute copy; the device copy that backward still
+  reads is untouched until ``step()`` invalidates it. Clipping and fp16
+  overflow checks need every gradient first, so with either the updates wait
+  for ``step()``. The queue of updates in flight, in the order they were
+  queued, is the ready queue (``_running``); ``wait_one`` waits for its oldest.
+- overlap="delayed": ``step()`` applies the update computed from the previous
+  step's gradients (swapping in the second compute buffer) and queues the
+  update of this step's gradients, which then runs during the next forward
+  and backward. The update applied at step t uses the gradients of step t-1.
+
+[Note: the accumulation window]
+``Config.grad_accumulation_steps`` backward passes make one step. In the last
+of them some work happens during backward: with overlap="backward" each
+unit's update, and under data parallelism (stages 0, 2, 3) each unit's
+gradient reduction. Once that ran (``Gradients.window_closed``), another
+backward before ``step()`` would add gradients nothing reads any more, so its
+first gradient raises instead of being dropped; ``zero_grad()`` after an
+early update raises too, since the update cannot be undone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import List
+
+
+from ..plan import policy
+from ..faults import UsageError
+from ..plan.state import OptState
+
+__all__ = ["make_schedule", "StepSchedule", "BackwardSchedule", "DelayedSchedule", "MAX_QUEUED"]
+
+MAX_QUEUED = 2  # updates queued or running at once during backward, with NVMe state (see _bound_queue)
+
+
+class StepSchedule:
+    """Updates in ``step()``. ``parts`` is the engine (its owners:
+    ``grads``, ``optstate``, ``cache``, ``residency``, and ``mover``,
+    ``sharding``, ``stats``, ``trace``, ``units``, ``modes``)."""
+
+    def __init__(self, parts, updater, accum_steps: int, early_ok: bool):
+        self.p, self.updater, self.accum_steps = parts, updater, accum_steps
+        self.early_ok = early_ok        # no clipping and no fp16: updates may run before step()
+        self._running: "OrderedDict[int, object]" = OrderedDict()  # unit index -> update in flight
+        self._closing = False           # this backward ran last-window work
+        self._root_read = None          # host job reading the root's state ahead (NVMe)
+        self._last_order: List[int] = []  # unit indices in the order the last step's updates were queued
+        # Gradients go through a reduction under data parallelism, and under
+        # any ZeRO stage even for one rank: it fills the shard the update reads.
+        self.needs_reduce = parts.sharding.world > 1 or parts.modes.zero > 0
+
+    # -- during backward ---------------------------------------------------------------
+
+    def _last_backward(self) -> bool:
+        return self.p.gradients.micro_batches + 1 == self.accum_steps
+
+    def unit_ready(self, u) -> None:
+        """``u``'s last gradient of this backward has left the device."""
+        p = self.p
+        if self.needs_reduce and p.modes.zero != 1 and self._last_backward() and u.place.trainable \
+                and not u.grads.reduced:
+            self._closing = True  # See [Note: the accumulation window]
+            p.gradients.reduce(u)     # in program order on every rank
+        if not self._start_early(u) and p.modes.opt_nvme and not p.modes.zero:
+            p.gradients.spill(u)      # bounded host memory until step()
+
+    def _start_early(self, u) -> bool:
+        return False
+
+    def backward_done(self) -> None:
+        """A whole backward is done."""
+        p = self.p
+        p.gradients.backward_counted(self._closing)
+        if p.modes.opt_nvme and not p.modes.zero:
+            for u in p.units:  # units some of whose parameters got no gradient
+                p.gradients.spill(u)
+
+    def _guarded(self, job, u):
+        """``job`` for the host thread: a fault it raises fails the engine at
+        once (so the next hook stops the pass) and gives back ``u``'s buffers;
+        the error itself reaches the caller where the job is waited for."""
+        p = self.p
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as e:
+                p.faults.record(e, f"the update of unit {u.name!r} on the optimizer's thread")
+                _quietly(p.optstate.discard, u)
+                _quietly(p.gradients.release, u)
+                raise
+
+        return run
+
+    def updates_in_flight(self) -> bool:
+        """True between a backward that started updates (overlap="backward") and ``step()``."""
+        return bool(self._running)
+
+    def wait_one(self) -> bool:
+        """Waits for the oldest update in flight (which frees its buffers). True if one was waited for."""
+        for t in self._running.values():
+            if not t.done():
+                t.wait()
+                return True
+        return False
+
+    def update_order(self) -> list:
+        """The trainable units in the order the next step is expected to
+        update them: the order the last step's updates were queued (what a
+        background checkpoint writes first: [Note: a background save]), or
+        before any step :meth:`_first_order`."""
+        units = self.p.units
+        order = [units[i] for i in self._last_order if i < len(units)]
+        want = [u for u in units if u.place.trainable]
+        return order if len(order) == len(want) else self._first_order(want)
+
+    def _first_order(self, trainable: list) -> list:
+        """The update order before any step was seen: program order."""
+        return trainable
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self, scaling) -> None:
+        """Updates every unit not updated yet; returns when each new compute
+        copy is in its home tier. ``scaling`` is the optimizer's
+        (``global_scale``, ``after_overflow_check``)."""
+        p = self.p
+        t0 = time.perf_counter()
+        if self._root_read is not None:
+            self._root_read.wait()
+            self._root_read = None
+        for t in self._running.values():
+            t.wait()
+        p.stats.optimizer_wait_seconds += time.perf_counter() - t0
+        p.gradients.drain()
+        if self.needs_reduce:
+            for u in p.units:  # same order on every rank
+                if u.place.trainable and not u.grads.reduced and u.index not in self._running:
+                    p.gradients.reduce(u)
+            p.gradients.finish_reductions()
+        todo = [u for u in p.units if u.index not in self._running and u.place.trainable]
+        skip, scale = scaling.global_scale([(u, p.gradients.update_input(u), u.grads.written) for u in todo])
+        if skip and self._running:
+            raise RuntimeError("internal: overflow after early updates")  # early updates exclude fp16
+        scaling.after_overflow_check(skip)
+        if not skip:
+            self._update_all(todo, scale)
+            p.stats.steps += 1
+            self._last_order = list(self._running) + [u.index for u in todo]
+        for u in p.units:
+            p.gradients.consume(u)
+        self._running = OrderedDict()
+        self._closing = False
+        if not skip:
+            self._refresh_compute_copies()
+
+    def _update_all(self, todo, scale: float) -> None:
+        p = self.p
+        if p.modes.opt_nvme:
+            self._pipeline(todo, scale)
+        else:
+            for u in todo:
+                self.update_in_memory(u, p.gradients.update_input(u), list(u.grads.written), scale)
+        if p.modes.zero in (1, 2):  # every rank gets the new compute copies of every shard
+            for u in p.units:
+                if u.place.trainable:
+                    comp = p.cache.open_for_update(u)  # NVMe home: the cached copy, read back if evicted
+                    p.sharding.all_gather_(comp[:u.place.trainable_numel])
+                    p.cache.close_update(u)
+                    p.values_changed(u)
+
+    def update_in_memory(self, u, grad, written: List[bool], scale: float) -> None:
+        """One unit's update with its optimizer state in memory (host or
+        device). With NVMe homes of the parameters the new compute copy goes
+        through the host cache, so it is marked dirty and written back when
+        evicted, never lost."""
+        p = self.p
+        if not any(written):
+            return  # no gradient this step: nothing changes
+        p.fence(u)
+        out = p.cache.open_for_update(u, all(written)) if p.modes.host_optimizer else None
+        try:
+            self.updater.run(u, grad, written, out, scale, live=True)
+        finally:
+            if p.modes.host_optimizer:
+                p.cache.close_update(u)
+
+    def update_from_nvme(self, u, grad, written: List[bool], scale: float) -> None:
+        """One unit's update with its state checked out from NVMe (the reads
+        waited for), then checked back in with the kernel's checksums."""
+        p = self.p
+        p.fence(u)
+        sums = self.updater.run(u, grad, written, p.cache.open_for_update(u, all(written)), scale, live=True)
+        p.optstate.checkin(u, sums)
+        # [Note: fp32 master aliasing]: the master's sums over the whole copy
+        # go with its write-back on eviction ([Note: sums from the producer]).
+        whole = sums is not None and u.place.aliased and u.place.trainable_numel == u.place.compute_numel
+        p.cache.close_update(u, sums.get("master") if whole else None)
+
+    def _pipeline(self, todo, scale: float) -> None:
+        """NVMe optimizer state: while unit i is updated, unit i+1's master,
+        moments and gradients are being read and unit i-1's written (see
+        [Note: NVMe homes and the host cache])."""
+        p = self.p
+
+        def load(u) -> list:
+            hs = [] if p.modes.zero else [h for h in (p.gradients.load(u, wait=False),) if h is not None]
+            return hs + p.optstate.checkout(u)
+
+        pending = load(todo[0]) if todo else []
+        for i, u in enumerate(todo):
+            for h in pending:
+                h.wait()
+            pending = load(todo[i + 1]) if i + 1 < len(todo) else []
+            grad = p.gradients.update_input(u)
+            if grad is not None:
+                self.update_from_nvme(u, grad, list(u.grads.written), scale)
+            else:  # no gradient this step: the untouched state goes back
+                p.optstate.discard(u)
+            p.gradients.release(u)
+
+    def _refresh_compute_copies(self) -> None:
+        p = self.p
+        if not p.modes.host_optimizer:
+            # The optimizer ran on the device: write the new compute copies.
+            for u in p.units:
+                tn = u.place.trainable_numel
+                if not tn:
+                    continue
+                p.fence(u)
+                if u.dev.permanent:
+                    p.residency.write_permanent(u, u.opt.master)
+                elif p.mover.is_cuda:
+                    p.mover.d2h(p.cache.home(u)[:tn], u.opt.master.to(p.modes.dtype)).wait()
+                else:
+                    p.cache.home(u)[:tn].copy_(u.opt.master)
+        p.residency.invalidate()
+
+    # -- other calls ---------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Delayed mode: applies the queued update now. No-op otherwise."""
+
+    def zero_grad(self) -> None:
+        """Forgets accumulated gradients (overwritten, not zeroed, by the next backward)."""
+        p = self.p
+        if self._running:
+            # See [Note: the accumulation window].
+            raise UsageError(
+                "optimizer.zero_grad() before optimizer.step(), after a backward whose updates already ran "
+                "(overlap='backward' updates each unit during the last backward of the accumulation window): "
+                "the gradients cannot be discarded any more. Call optimizer.step() first, or use "
+                "overlap='step' to decide after backward whether to step")
+        self._closing = False
+        p.gradients.open_window()
+        p.gradients.drain()
+        for u in p.units:
+            p.gradients.consume(u)
+
+
+class BackwardSchedule(StepSchedule):
+    """Each unit's update runs on the host thread during the window's last
+    backward, as soon as its gradients are complete (see [Note: when the
+    optimizer runs])."""
+
+    def _first_order(self, trainable: list) -> list:
+        """Before any step was seen: the units complete their gradients
+        roughly in reverse program order (in ``step()`` where updates may not
+        run early: clipping, fp16)."""
+        return trainable[::-1] if self.early_ok else trainable
+
+    def _start_early(self, u) -> bool:
+        p = self.p
+        if not (self.early_ok and self._last_backward() and p.modes.zero != 1 and u.index not in self._running):
+            return False
+        self._closing = True
+        grad, written = p.gradients.update_input(u), list(u.grads.written)
+        scale = 1.0 / p.sharding.world  # gradients are sums over the data-parallel ranks
+        if p.modes.opt_nvme:
+            self._bound_queue()
+            if not p.modes.zero:
+                p.gradients.claim(u)
+
+            def job() -> None:
+                p.gradients.wait(u)
+                for h in p.optstate.checkout(u):
+                    h.wait()
+                self.update_from_nvme(u, grad, written, scale)
+                p.gradients.release(u)
+        else:
+            def job() -> None:
+                p.gradients.wait(u)
+                self.update_in_memory(u, grad, written, scale)
+
+        self._running[u.index] = p.mover.host_job(self._guarded(job, u))
+        if p.modes.opt_nvme:
+            self._read_ahead_next()
+        return True
+
+    def _bound_queue(self) -> None:
+        """Backpressure: with NVMe state every queued update holds its unit's
+        gradients in a host buffer until it runs; when backward outruns the
+        optimizer they would fill the pool, and the update running then finds
+        no room for its own buffers (it cannot wait for itself). So at most
+        ``MAX_QUEUED`` updates are queued or running: the host budget's
+        pipeline (placement.PIPELINE_BUFFERS) holds that many."""
+        while sum(not t.done() for t in self._running.values()) >= MAX_QUEUED:
+            t0 = time.perf_counter()
+            self.wait_one()
+            self.p.stats.optimizer_wait_seconds += time.perf_counter() - t0
+
+    def _read_ahead_next(self) -> None:
+        """Reads the optimizer state of the unit whose gradients complete next
+        while the current one is updated. The root's update runs after
+        backward ends, on the step's critical path: its state is read one
+        unit earlier, on the host thread (queued behind the update just
+        submitted, so it never takes that update's buffers), evicting compute
+        copies this pass is done with if the host budget has no room."""
+        p = self.p
+        nxt = policy.state_read_ahead(p.trace.upcoming(16), lambda i: p.units[i].place.trainable,
+                                      lambda i: i in self._running)
+        if not nxt:
+            return
+        p.optstate.read_ahead(p.units[nxt[0]])
+        root = p.units[0]
+        if nxt[-1] == 0 and root.opt.state is OptState.HOME and self._root_read is None:
+            self._root_read = p.mover.host_job(self._guarded(lambda: p.optstate.read_ahead(root, evict_done=True),
+                                                             root))
+
+
+class DelayedSchedule(StepSchedule):
+    """The update of step t's gradients runs during step t+1's forward and
+    backward and is applied at step t+1 (see [Note: when the optimizer runs])."""
+
+    def __init__(self, parts, updater, accum_steps: int, early_ok: bool):
+        super().__init__(parts, updater, accum_steps, early_ok)
+        self._pending: list = []        # updates in flight
+        self._pending_units: list = []
+
+    def wait_one(self) -> bool:
+        for t in self._pending:
+            if not t.done():
+                t.wait()
+                return True
+        return False
+
+    def step(self, scaling) -> None:
+        p = self.p
+        t0 = time.perf_counter()
+        for t in self._pending:
+            t.wait()
+        p.stats.optimizer_wait_seconds += time.perf_counter() - t0
+        if self._pending:
+            self._apply_pending()
+        p.gradients.drain()
+        work = []
+        for u in p.units:
+            if u.place.trainable:
+                written = list(u.grads.written)
+                work.append((u, p.gradients.swap_delayed(u), written))  # the next backward fills the other buffer
+        skip, scale = scaling.global_scale(work)
+        scaling.after_overflow_check(skip)
+        for u in p.units:
+            p.gradients.consume(u)
+        if skip:
+            return
+        p.stats.steps += 1
+        # The hyper-parameters of this step(): the updates run after it, when
+        # an LR scheduler may already have moved the groups' lr.
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.updater.param_groups]
+        for u, grad, written in work:
+            def job(u=u, grad=grad, written=written) -> None:
+                self.p.fence(u)
+                self.updater.run(u, grad, written, u.host.next_compute, scale, live=False, hyper=hyper)
+
+            self._pending.append(p.mover.host_job(job))
+            self._pending_units.append(u)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        for t in self._pending:
+            t.wait()
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """The queued updates finished: their compute copies become the
+        homes; device copies are refreshed."""
+        p = self.p
+        self._pending = []
+        for u in self._pending_units:
+            p.cache.swap_next(u)
+            p.values_changed(u)
+        self._pending_units = []
+        p.residency.invalidate()
+
+
+def _quietly(fn, *args) -> None:
+    """Cleanup after a fault: what fails here must not hide the fault."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the first fault is what the user sees
+        pass
+
+
+def make_schedule(parts, updater, overlap: str, accum_steps: int, early_ok: bool) -> StepSchedule:
+    """The schedule of ``overlap`` ("step", "backward" or "delayed")."""
+    cls = {"step": StepSchedule, "backward": BackwardSchedule, "delayed": DelayedSchedule}[overlap]
+    return cls(parts, updater, accum_steps, early_ok)

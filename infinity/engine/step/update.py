@@ -1,0 +1,155 @@
+"""One unit's AdamW: the runs of slots that got gradients, their ranges in
+the own ZeRO shard, the kernel call (native CPU AdamW, or torch's fused one on
+the device), and the checksums it returns for the NVMe write-back.
+
+Reads the unit's buffers; writes only the master, the moments and the new
+compute copy it is handed, and the slots' step counts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ...optim.functional import adamw_step_
+from ..owners.optstate import KINDS
+
+__all__ = ["Updater", "runs", "written_runs"]
+
+
+def runs(u, written: Sequence[bool], key=lambda s: None) -> Dict[object, List[Tuple[int, int]]]:
+    """Element ranges of runs of consecutive trainable slots that got
+    gradients and share ``key(slot)``, grouped by key. Padding between slots
+    is zero in every buffer, so a run may span it."""
+    out: Dict[object, List[Tuple[int, int]]] = {}
+    cur_key, cur = None, None
+    for ti, s in enumerate(u.layout.trainable_slots):
+        k = key(s) if written[ti] else None
+        if written[ti] and cur is not None and k == cur_key:
+            cur[1] = s.offset + s.numel
+            continue
+        if cur is not None:
+            out.setdefault(cur_key, []).append((cur[0], cur[1]))
+        cur_key, cur = k, ([s.offset, s.offset + s.numel] if written[ti] else None)
+    if cur is not None:
+        out.setdefault(cur_key, []).append((cur[0], cur[1]))
+    return out
+
+
+def written_runs(u, written: Sequence[bool]) -> List[Tuple[int, int]]:
+    """Element ranges covering runs of consecutive trainable slots that got gradients."""
+    return [r for rs in runs(u, written).values() for r in rs]
+
+
+class Updater:
+    """AdamW over one unit at a time; ``param_groups`` are the optimizer's
+    (hyperparameters are read at each call, so schedulers work)."""
+
+    def __init__(self, modes, sharding, param_groups, stats, sum_chunk_bytes: Optional[int],
+                 num_threads: Optional[int], values_changed):
+        self.modes, self.sharding, self.param_groups, self.stats = modes, sharding, param_groups, stats
+        self.sum_chunk_bytes = sum_chunk_bytes  # the swap store's, with NVMe optimizer state (else None)
+        self.num_threads = num_threads
+        self.values_changed = values_changed    # Engine.values_changed
+        self._stat_lock = threading.Lock()
+
+    # -- shard arithmetic ---------------------------------------------------------------
+
+    def clip_to_shard(self, u, a: int, b: int) -> Tuple[int, int]:
+        """Global range [a, b) cut to the own ZeRO shard (unchanged without ZeRO)."""
+        if not self.modes.zero:
+            return a, b
+        lo, hi = self.sharding.shard(u.place.trainable_numel)
+        return max(a, lo), min(b, hi)
+
+    def local(self, u, a: int, b: int, buf: torch.Tensor) -> Optional[Tuple[int, int]]:
+        """Indices into ``buf`` for global range [a, b): ``buf`` is the full
+        buffer, or (ZeRO) the own shard, then the range is cut to it (None when empty)."""
+        if buf.numel() == u.place.trainable_numel:
+            return a, b
+        lo = self.sharding.shard(u.place.trainable_numel)[0]
+        a2, b2 = self.clip_to_shard(u, a, b)
+        return (a2 - lo, b2 - lo) if a2 < b2 else None
+
+    # -- the update ----------------------------------------------------------------------
+
+    def run(self, u, grad: torch.Tensor, written: List[bool], out: Optional[torch.Tensor], grad_scale: float,
+            live: bool = True, hyper: Optional[List[dict]] = None) -> Optional[dict]:
+        """AdamW on ``u``: one kernel call per (param group, step count) run of
+        consecutive slots that got gradients, writing the new compute copy into
+        ``out`` (None: none, or the master is the copy). ``live``: ``out`` is the
+        home now (not the delayed mode's second buffer), so the parameters'
+        versions move. ``hyper``: the param groups' hyper-parameters as they
+        were at ``step()`` (an update that runs later must not see an LR
+        scheduler's next value). Returns the checksums the kernel took (kind -> sums),
+        when one call updated the whole buffers, else None."""
+        t0 = time.perf_counter()
+        o = u.opt
+        groups = runs(u, written, key=lambda s: (s.group, s.step))
+        # NVMe optimizer state: when one call updates the whole buffers, it
+        # also takes their sums for the write-back ([Note: sums from the
+        # producer] in native/src/adam.cpp). Padding is zero in every buffer
+        # and stays zero under the update, so the call may span all of it.
+        chunk = self.sum_chunk_bytes if o.master.device.type == "cpu" else None
+        whole = chunk is not None and len(groups) == 1 and all(written)
+        sums = None
+        for (gi, step), global_ranges in groups.items():
+            if whole:
+                global_ranges = [(0, u.place.trainable_numel)]
+            got = self._run_group(u, grad, out, global_ranges, (hyper or self.param_groups)[gi], step + 1, grad_scale,
+                                  chunk if whole else None)
+            sums = got if got is not None else sums
+        slots = u.layout.trainable_slots
+        for ti, s in enumerate(slots):
+            if written[ti]:
+                s.step += 1
+        if live:  # delayed: the new values become live when applied (Schedule)
+            self.values_changed(u, [s for ti, s in enumerate(slots) if written[ti]])
+        with self._stat_lock:
+            self.stats.optimizer_seconds += time.perf_counter() - t0
+        return sums
+
+    def _run_group(self, u, grad, out, global_ranges, g: dict, step: int, grad_scale: float,
+                   chunk: Optional[int]) -> Optional[dict]:
+        """One kernel call over ``global_ranges`` with group ``g``'s hyperparameters."""
+        o = u.opt
+        # ZeRO: only the part inside the own shard; state buffers are shard-local.
+        ranges = [(a, b) for a, b in global_ranges if self.local(u, a, b, o.master) is not None]
+        if not ranges:
+            return None
+        st = [self.local(u, a, b, o.master) for a, b in ranges]
+        gr = [self.local(u, a, b, grad) for a, b in ranges]
+        ranges = [self.clip_to_shard(u, a, b) for a, b in ranges]
+        ps, gs = [o.master[a:b] for a, b in st], [grad[a:b] for a, b in gr]
+        ms, vs = [o.exp_avg[a:b] for a, b in st], [o.exp_avg_sq[a:b] for a, b in st]
+        if out is not None and self.modes.zero == 3:
+            outs = [out[a:b] for a, b in st]  # the home copy is the shard, trainable part first
+        else:
+            outs = [out[a:b] for a, b in ranges] if out is not None else None
+        if o.master.device.type == "cuda":
+            _device_step(ps, gs, ms, vs, step, g, grad_scale)
+            return None
+        beta1, beta2 = g["betas"]
+        take_sums = chunk is not None and len(st) == 1 and st[0] == (0, o.master.numel())
+        got = adamw_step_(ps, gs, ms, vs, step=step, lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2),
+                          eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
+                          adamw_mode=g.get("adamw_mode", True), grad_scale=grad_scale, outs=outs,
+                          num_threads=self.num_threads, validate=False,
+                          sum_chunk_bytes=chunk if take_sums else None)
+        return dict(zip(KINDS, got[0])) if got else None
+
+
+def _device_step(ps, gs, ms, vs, step: int, g: dict, grad_scale: float) -> None:
+    """The same update on CUDA buffers with torch's fused AdamW."""
+    if grad_scale != 1.0:
+        torch._foreach_mul_(gs, grad_scale)
+    # One step tensor for all (the fused kernels only read it): no pageable
+    # copy and stream sync per tensor.
+    steps = [torch.full((), float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
+    beta1, beta2 = g["betas"]
+    fused = torch._fused_adamw_ if g.get("adamw_mode", True) else torch._fused_adam_
+    fused(ps, gs, ms, vs, [], steps, lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2),
+          weight_decay=float(g["weight_decay"]), eps=float(g["eps"]), amsgrad=False, maximize=False)
