@@ -273,16 +273,6 @@ def _full_state_dict(model: nn.Module, eng: Engine) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _finish_background_save(eng) -> None:
-    """A background checkpoint still writing is finished first (it reads the tiers close removes)."""
-    from .checkpoint.background import wait_pending
-    try:
-        wait_pending(eng)
-    except Exception as e:  # noqa: BLE001 - close always tears down; the error is said, not lost
-        warnings.warn(f"infinity.close: the background checkpoint failed and was not saved: {type(e).__name__}: "
-                      f"{e}. Earlier checkpoints are intact", RuntimeWarning, stacklevel=3)
-
-
 def close(model: nn.Module, *, keep_values: bool = True) -> None:
     """Releases ``model``'s engine: stops its threads, removes its swap files
     and its lock, and gives its host pool and device arena back at once (also
@@ -302,7 +292,7 @@ def close(model: nn.Module, *, keep_values: bool = True) -> None:
     eng = _ENGINES.pop(model, None)
     if eng is None:
         return
-    _finish_background_save(eng)
+    eng.fence.before_close()  # a background save still writing finishes first: it reads the tiers
     values = _final_values(model, eng, keep_values)
     eng.hooks.remove()
     remove_model_methods(model)

@@ -14,7 +14,9 @@ refresh of device-resident copies. Buffers, which forward may change
 (BatchNorm's running statistics), are copied at the call. Reads need no fence, but a compute copy
 cached in the host pool can be evicted and its buffer reused while the save
 holds it, so the save copies such a copy under the host lock
-(``Engine.read_detached``). Forward and backward overlap the save; an
+(``Engine.read_detached``). The engine knows nothing of this: the save
+installs its waiter into the engine's fence (see [Note: the engine's fence]
+in fence.py). Forward and backward overlap the save; an
 update of a unit not yet written waits for it. The save writes unit by unit
 in the order the updates come, each unit's weights and moments together
 (``Plan.stream``), so the first update waits for about one unit's share of
@@ -93,7 +95,8 @@ class AsyncCheckpoint:
         plan.model_items = [item if isinstance(item[3], SlotSource) else _taken_now(item) for item in plan.model_items]
         fence = SaveFence(plan)
         plan.reader.read = eng.read_detached
-        eng.save_fence, eng.pending_save = fence, self
+        # See [Note: the engine's fence] in fence.py: one call hands the engine all it runs for this save.
+        eng.fence.install(self, fence.wait_unit, lambda: warn_if_failed(eng), lambda: _finish_at_close(eng))
 
         def run() -> None:
             try:
@@ -102,8 +105,7 @@ class AsyncCheckpoint:
                 self._error = e
             finally:
                 fence.lift()
-                if eng.save_fence is fence:
-                    eng.save_fence = None
+                eng.fence.lift(fence.wait_unit)
                 self._done.set()
 
         threading.Thread(target=run, name="infinity-ckpt-save", daemon=True).start()
@@ -118,8 +120,8 @@ class AsyncCheckpoint:
         checkpoint's path or raises its error (TimeoutError if not done)."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"save_checkpoint(blocking=False) of {self.path} still writing after {timeout} s")
-        if self._eng.pending_save is self:
-            self._eng.pending_save = None
+        if self._eng.fence.pending is self:
+            self._eng.fence.pending = None
         if self._error is not None:
             self.reported = True
             raise self._error
@@ -140,27 +142,37 @@ def _taken_now(item):
 def wait_pending(eng) -> None:
     """Waits for a background save still writing; raises its error unless
     the user saw it already."""
-    pending = getattr(eng, "pending_save", None)
+    pending = eng.fence.pending
     if pending is None:
         return
     seen = pending.reported
     try:
         pending.wait()
     except BaseException:
-        eng.pending_save = None
+        eng.fence.pending = None
         if not seen:
             raise
 
 
 def warn_if_failed(eng) -> None:
     """At a step: a background save that failed and was never waited for is said once."""
-    pending = getattr(eng, "pending_save", None)
+    pending = eng.fence.pending
     if pending is not None and pending.done() and pending._error is not None and not pending.reported:
         pending.reported = True
-        eng.pending_save = None
+        eng.fence.pending = None
         warnings.warn(f"infinity: the background checkpoint {str(pending.path)!r} failed and was not saved: "
                       f"{type(pending._error).__name__}: {pending._error}. Earlier checkpoints are intact; "
-                      "training goes on", RuntimeWarning, stacklevel=3)
+                      "training goes on", RuntimeWarning, stacklevel=5)
+
+
+def _finish_at_close(eng) -> None:
+    """Before the engine closes: a save still writing is finished (it reads
+    the tiers close removes); its error is said, not raised: close always tears down."""
+    try:
+        wait_pending(eng)
+    except Exception as e:  # noqa: BLE001 - close always tears down; the error is said, not lost
+        warnings.warn(f"infinity.close: the background checkpoint failed and was not saved: {type(e).__name__}: "
+                      f"{e}. Earlier checkpoints are intact", RuntimeWarning, stacklevel=5)
 
 
 def check_background_ok(eng) -> None:

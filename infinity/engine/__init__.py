@@ -11,7 +11,7 @@ flows of a step in a few lines each; each subfolder is one layer.
 | owners/ | one per piece of a unit's state (the table below) | mechanism, plan |
 | mechanism/ | holds and moves bytes: tiers (budgets and the shared host pool), mover, nvme, zero | plan |
 | plan/ | decided once, pure: units, placement, trace, policy, state tables, limits, estimator | (nothing above) |
-| faults.py, stats.py | the failure state and the counters, used by every layer | io/ |
+| faults.py, stats.py, fence.py | the failure state, the counters, and the fence a background save installs, used by every layer | io/ |
 
 | owner | file | holds |
 |---|---|---|

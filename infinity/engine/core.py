@@ -30,6 +30,7 @@ from ..system import sysinfo
 from ..config.runtime import Config, format_bytes
 from .adapt.device_budget import DeviceBudget
 from .faults import FaultState, UsageError
+from .fence import Fence
 from .owners.grads import Gradients
 from .owners.host_cache import HostCache
 from .mechanism.mover import DeferredTicket, make_mover
@@ -71,8 +72,7 @@ class Engine:
         for u in self.units:
             u.place = place_unit(u.layout, self.modes)
         self.param_slot = {id(s.param): (u, i) for u in self.units for i, s in enumerate(u.layout.slots)}
-        # A background checkpoint (checkpoint/background.py): its fence, and its handle until waited for.
-        self.save_fence = self.pending_save = None
+        self.fence = Fence()  # See [Note: the engine's fence]
         self._make_parts()
         Values(self).initialize(model)
         # See [Note: saved tensors follow their unit]; units that never move need no hooks.
@@ -147,18 +147,10 @@ class Engine:
     def after_step(self) -> None:
         """Called at the end of every optimizer step (see [Note: the default
         device budget] and [Note: memory pressure])."""
-        from ..checkpoint.background import warn_if_failed
         self.values_version += 1
         self.budget.after_step()
         self.pressure.after_step()
-        warn_if_failed(self)
-
-    def fence(self, u) -> None:
-        """Before any change of ``u``'s state: waits while a background save
-        has not written it yet (see [Note: a background save])."""
-        f = self.save_fence
-        if f is not None:
-            f.wait_unit(u)
+        self.fence.after_step()
 
     @property
     def device_budget(self) -> int:

@@ -162,7 +162,7 @@ class Values:
         numel, any dtype) in every tier that holds them: fp32 master, compute
         home, and the device copy. Optimizer moments are left as they are."""
         p = self.p
-        p.fence(u)
+        p.fence.wait_unit(u)
         p.gradients.drain()
         p.residency.drop_copy(u)  # fetched again, with the new values, when next used
         # In memory buffers are written in place; NVMe homes are read, written and stored back

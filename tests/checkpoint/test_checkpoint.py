@@ -12,6 +12,9 @@ import torch
 from paging_zoo import Chain, base_config
 
 import infinity
+
+# A child process imports this folder's tests and the shared helpers in tests/.
+HERE_AND_TESTS = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from infinity.checkpoint import layout
 
 
@@ -124,7 +127,7 @@ def test_fp16_loss_scaler_state_is_restored(tmp_path):
 
 CHILD = textwrap.dedent("""
     import json, random, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {tests!r}
     import torch, infinity
     from test_checkpoint import model, data
     from paging_zoo import base_config
@@ -153,7 +156,7 @@ CHILD = textwrap.dedent("""
 
 
 def _child(tmp_path, mode):
-    code = CHILD.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = CHILD.format(tests=HERE_AND_TESTS)
     r = subprocess.run([sys.executable, "-c", code, mode, str(tmp_path / "ck"), str(tmp_path / f"swap-{mode}")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

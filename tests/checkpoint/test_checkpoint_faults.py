@@ -16,12 +16,15 @@ import torch
 from test_checkpoint import data, make, train
 
 import infinity
+
+# A child process imports this folder's tests and the shared helpers in tests/.
+HERE_AND_TESTS = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from infinity.checkpoint import layout, save
 from infinity.engine.faults import EngineFailedError
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {tests!r}
     import infinity
     from infinity.checkpoint import save
     from test_checkpoint import data, make, train
@@ -49,7 +52,7 @@ POINTS = [("tensor", 1), ("tensor", 7), ("tensor", 25), ("tensor", 50), ("manife
 
 @pytest.mark.parametrize("point,nth", POINTS)
 def test_a_kill_during_save_leaves_the_previous_checkpoint(tmp_path, point, nth):
-    code = KILLER.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = KILLER.format(tests=HERE_AND_TESTS)
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path), point, str(nth)], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == -signal.SIGKILL, (r.returncode, r.stdout, r.stderr)

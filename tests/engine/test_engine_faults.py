@@ -14,6 +14,9 @@ import pytest
 import torch
 
 import infinity
+
+# A child process imports this folder's tests and the shared helpers in tests/.
+HERE_AND_TESTS = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from infinity.engine.faults import EngineFailedError
 from infinity.io.errors import ChecksumError, SwapIOError
 from paging_zoo import Chain, base_config
@@ -217,7 +220,7 @@ def test_default_host_budget_respects_a_memory_cgroup(tmp_path):
         pytest.skip("needs root and a v1 memory cgroup hierarchy to make a limited cgroup")
     script = textwrap.dedent(f"""
         import os, sys, torch
-        sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
+        sys.path[:0] = {HERE_AND_TESTS!r}
         with open({os.path.join(cg, "cgroup.procs")!r}, "w") as f:
             f.write(str(os.getpid()))
         import infinity
@@ -237,7 +240,7 @@ def test_default_host_budget_respects_a_memory_cgroup(tmp_path):
 
 CYCLES = textwrap.dedent("""
     import gc, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {tests!r}
     import infinity
     from test_engine_faults import model, data, train
     from paging_zoo import base_config
@@ -266,7 +269,7 @@ def test_no_reference_cycles_per_step(tmp_path, params, opt, overlap):
     cycles through the autograd graph, so memory grew between full
     collections, unbounded by any budget). In a process of its own: what
     earlier tests left running (threads ending, late imports) is not a step's."""
-    code = CYCLES.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = CYCLES.format(tests=HERE_AND_TESTS)
     r = subprocess.run([sys.executable, "-c", code, params, opt, overlap, str(tmp_path)], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -130,7 +130,7 @@ class PressureMonitor:
             return False
         group = homes[len(homes) // 2:]
         for u in group:
-            eng.fence(u)  # a background save may still read the home
+            eng.fence.wait_unit(u)  # a background save may still read the home
         freed = sum(cache.spill(u) for u in group)
         spilled = [u for g in self._spilled for u in g[1]] + group
         cache.evict_to(0)  # the copies of spilled units cached so far: the cap below starts from the homes

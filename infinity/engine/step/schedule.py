@@ -189,7 +189,7 @@ class StepSchedule:
         p = self.p
         if not any(written):
             return  # no gradient this step: nothing changes
-        p.fence(u)
+        p.fence.wait_unit(u)
         out = p.cache.open_for_update(u, all(written)) if p.modes.host_optimizer else None
         try:
             self.updater.run(u, grad, written, out, scale, live=True)
@@ -201,7 +201,7 @@ class StepSchedule:
         """One unit's update with its state checked out from NVMe (the reads
         waited for), then checked back in with the kernel's checksums."""
         p = self.p
-        p.fence(u)
+        p.fence.wait_unit(u)
         sums = self.updater.run(u, grad, written, p.cache.open_for_update(u, all(written)), scale, live=True)
         p.optstate.checkin(u, sums)
         # [Note: fp32 master aliasing]: the master's sums over the whole copy
@@ -239,7 +239,7 @@ class StepSchedule:
                 tn = u.place.trainable_numel
                 if not tn:
                     continue
-                p.fence(u)
+                p.fence.wait_unit(u)
                 if u.dev.permanent:
                     p.residency.write_permanent(u, u.opt.master)
                 elif p.mover.is_cuda:
@@ -382,7 +382,7 @@ class DelayedSchedule(StepSchedule):
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.updater.param_groups]
         for u, grad, written in work:
             def job(u=u, grad=grad, written=written) -> None:
-                self.p.fence(u)
+                self.p.fence.wait_unit(u)
                 self.updater.run(u, grad, written, u.host.next_compute, scale, live=False, hyper=hyper)
 
             self._pending.append(p.mover.host_job(job))
