@@ -37,6 +37,7 @@ from ...io.swap.dir import make_dir, remove_own_dir
 from ...io.swap.store import SwapStore
 from ..faults import with_retries
 from ..stats import Stats
+from ..plan.limits import STAGING_PER_PATH  # See [Note: limits that must agree]
 
 __all__ = ["NvmeTier", "RetryingHandle", "key"]
 
@@ -65,7 +66,7 @@ class NvmeTier:
                 if fd >= 0:
                     self._made.append((os.path.abspath(p), fd, pfd))
             self.store = SwapStore(dirs, capacity_bytes=capacity_bytes, block_size=block_size,
-                                   queue_depth=queue_depth, staging_bytes=2 * len(dirs) * block_size,
+                                   queue_depth=queue_depth, staging_bytes=STAGING_PER_PATH * len(dirs) * block_size,
                                    backend=backend, checksum=checksum)
         except BaseException:
             self._remove_made()

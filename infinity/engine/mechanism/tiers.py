@@ -13,10 +13,10 @@ import torch
 
 from ...config.runtime import format_bytes
 from ...io.extent_allocator import ExtentAllocator
+from ..plan.limits import DEVICE_ALIGN  # See [Note: limits that must agree]
 
 __all__ = ["DeviceTier", "HostTier", "BudgetError"]
 
-DEVICE_ALIGN = 512  # bytes; device ranges start on 512-byte boundaries
 
 
 class BudgetError(MemoryError):

@@ -19,13 +19,10 @@ from ..faults import UsageError
 from ..mechanism.nvme import key as swap_key
 from ..plan.state import GradHome, GradState, transition
 from ..plan.units import Layout
+from ..plan.limits import MAX_REDUCING  # See [Note: limits that must agree]
 
 __all__ = ["GradRecord", "Gradients"]
 
-# At most this many units' full gradients wait for their reduction (stages
-# 2 and 3 free them only after it): with the unit whose gradients arrive, two
-# units' worth, what the host budget sets aside (placement.ZERO_REDUCING_UNITS).
-MAX_REDUCING = 1
 
 
 @dataclass

@@ -40,12 +40,12 @@ from ...system import sysinfo
 from ...config.runtime import Config
 from .placement import Modes, device_need, host_need, modes_of, nbytes, nvme_capacity, place_unit
 from .units import build_units
+from .limits import STAGING_PER_PATH
 
 __all__ = ["estimate_peaks", "activation_bytes", "placed", "compute_device", "RUNTIME_BYTES"]
 
 RUNTIME_BYTES = 48 << 20    # measured: RSS a step adds beyond the parts counted here (docs/cli.md)
 RECOMPUTE_UNITS = 3         # blocks' worth of activations a checkpointed block's backward holds (measured)
-STAGING_PER_PATH = 2        # NVMe staging buffers of swap_block_size per swap path (NvmeTier)
 
 
 def compute_device(config: Config) -> torch.device:

@@ -32,15 +32,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .limits import DEVICE_ALIGN, PIPELINE_BUFFERS, POOL_ALIGN, ZERO_REDUCING_UNITS  # [Note: limits that must agree]
+
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need",
-           "nvme_capacity", "modes_of", "spillable", "nbytes", "round_pool", "POOL_ALIGN", "RANGE_ALIGN", "PIPELINE_BUFFERS",
+           "nvme_capacity", "modes_of", "spillable", "nbytes", "round_pool", "POOL_ALIGN", "DEVICE_ALIGN", "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
 
-POOL_ALIGN = 4096          # bytes; host buffers start on pages (O_DIRECT, pinning)
-RANGE_ALIGN = 512          # bytes; device ranges start here (see tiers.DEVICE_ALIGN)
-PIPELINE_BUFFERS = 9       # fp32 buffers of the largest unit in the NVMe optimizer pipeline
 NVME_CACHE_SPARE = 2       # NVMe compute copies cached beyond prefetch_depth
-ZERO_REDUCING_UNITS = 2    # full gradients at once at the minimum (one arriving, one reducing)
 ZERO_TRANSIENT_UNITS = 3   # cap of the full-gradient room under ZeRO 2-3 without accumulation
 SWAP_SLACK_PAGES = 64      # extra pages of swap file per rank
 KINDS_PER_UNIT = 5         # swap keys per unit: compute, master, exp_avg, exp_avg_sq, grad
@@ -168,16 +166,16 @@ class DeviceNeed:
     @property
     def minimum(self) -> int:
         """The smallest ``device_memory`` that runs (512 B of alignment per range, and the arena rounded down)."""
-        return self.arena_min + self.grad_reserve + self.opt_fixed + RANGE_ALIGN * (self.units + 1)
+        return self.arena_min + self.grad_reserve + self.opt_fixed + DEVICE_ALIGN * (self.units + 1)
 
     @property
     def everything(self) -> int:
         """The budget with every unit resident: more buys nothing."""
-        return self.all_compute + self.grad_reserve + self.opt_fixed + RANGE_ALIGN * (self.units + 1)
+        return self.all_compute + self.grad_reserve + self.opt_fixed + DEVICE_ALIGN * (self.units + 1)
 
     def arena_bytes(self, budget: int) -> int:
         """The arena a budget of ``budget`` bytes gets."""
-        return min(budget - self.grad_reserve - self.opt_fixed, self.all_compute + RANGE_ALIGN * (self.units + 1))
+        return min(budget - self.grad_reserve - self.opt_fixed, self.all_compute + DEVICE_ALIGN * (self.units + 1))
 
 
 def device_need(places: Sequence[UnitPlacement], external: Sequence[bool], modes: Modes) -> DeviceNeed:

@@ -39,10 +39,10 @@ from typing import List
 from ..plan import policy
 from ..faults import UsageError
 from ..plan.state import OptState
+from ..plan.limits import MAX_QUEUED  # See [Note: limits that must agree]
 
 __all__ = ["make_schedule", "StepSchedule", "BackwardSchedule", "DelayedSchedule", "MAX_QUEUED"]
 
-MAX_QUEUED = 2  # updates queued or running at once during backward, with NVMe state (see _bound_queue)
 
 
 class StepSchedule:
