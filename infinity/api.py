@@ -214,14 +214,14 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     if s.optimizer_seconds > 0 and eng.config.overlap != "step":
         hidden = max(0.0, 1.0 - s.optimizer_wait_seconds / s.optimizer_seconds)
     return {
-        "peak_bytes": {"device": eng.device_tier.peak_bytes, "host": eng.host_tier.peak_bytes,
+        "peak_bytes": {"device": eng.residency.tier.peak_bytes, "host": eng.cache.tier.peak_bytes,
                        "nvme": eng.nvme.peak_bytes if eng.nvme is not None else 0},
-        "budget_bytes": {"device": eng.device_budget, "host": eng.host_budget,
+        "budget_bytes": {"device": eng.budget.budget, "host": eng.host_budget,
                          "nvme": eng.nvme.capacity_bytes if eng.nvme is not None else None},
         "bytes_moved": dict(s.bytes_moved),
         "step_bytes_moved": dict(s.step_bytes_moved),
         "stall_seconds": s.stall_seconds,
-        "device_stall_seconds": eng.device_stall_seconds(),
+        "device_stall_seconds": eng.residency.device_stall_seconds(),
         "optimizer_seconds": s.optimizer_seconds,
         "optimizer_wait_seconds": s.optimizer_wait_seconds,
         "overlap": hidden,
@@ -236,7 +236,7 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "state_bytes": eng.state_bytes(),
         "zero_stage": eng.modes.zero,
         "world_size": eng.sharding.world,
-        "host_pinned": eng.host_tier.pinned,
+        "host_pinned": eng.cache.tier.pinned,
         "pressure_events": list(eng.pressure.events),
         "host_cache_cap": eng.cache.cap_bytes,
     }
@@ -267,7 +267,7 @@ def _full_state_dict(model: nn.Module, eng: Engine) -> Dict[str, torch.Tensor]:
         s = u.layout.slots[i]
         sl = slice(s.offset, s.offset + s.numel)
         if (u.index, s.trainable) not in cache:
-            cache = {(u.index, s.trainable): eng.read(u, "master" if s.trainable else "compute")}
+            cache = {(u.index, s.trainable): eng.values.read(u, "master" if s.trainable else "compute")}
         t = cache[(u.index, s.trainable)][sl]
         out[key] = t.detach().to("cpu", torch.float32, copy=True).view(s.shape)
     return out
@@ -334,8 +334,8 @@ def _final_values(model: nn.Module, eng: Engine, keep: bool) -> Optional[Dict[Tu
 def _read_all(eng: Engine) -> Dict[Tuple[int, int], torch.Tensor]:
     out = {}
     for u in eng.units:
-        master = eng.read(u, "master") if u.place.trainable else None
-        compute = eng.read(u, "compute") if any(not s.trainable for s in u.layout.slots) else None
+        master = eng.values.read(u, "master") if u.place.trainable else None
+        compute = eng.values.read(u, "compute") if any(not s.trainable for s in u.layout.slots) else None
         for i, s in enumerate(u.layout.slots):
             src = master if s.trainable else compute
             out[(u.index, i)] = src[s.offset:s.offset + s.numel].view(s.shape).to("cpu", torch.float32, copy=True)

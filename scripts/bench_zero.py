@@ -74,7 +74,7 @@ def main() -> int:
                               offload_params="host", offload_optimizer="host", overlap="step")
         model, opt = infinity.initialize(model, cfg, lr=1e-4)
         if stage == 3 and minimum is None:
-            minimum = infinity.api.engine_of(model).device_minimum()
+            minimum = infinity.api.engine_of(model).budget.minimum()
         gen = torch.Generator().manual_seed(rank)
         x = torch.randint(0, 4096, (args.batch, args.seq), generator=gen).to(infinity.api.engine_of(model).device)
         times = []

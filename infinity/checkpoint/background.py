@@ -94,7 +94,7 @@ class AsyncCheckpoint:
         # fence is: they are copied now, at the call.
         plan.model_items = [item if isinstance(item[3], SlotSource) else _taken_now(item) for item in plan.model_items]
         fence = SaveFence(plan)
-        plan.reader.read = eng.read_detached
+        plan.reader.read = eng.values.read_detached
         # See [Note: the engine's fence] in fence.py: one call hands the engine all it runs for this save.
         eng.fence.install(self, fence.wait_unit, lambda: warn_if_failed(eng), lambda: _finish_at_close(eng))
 

@@ -187,7 +187,7 @@ def _write_unit(eng, staged, plan: Plan, m: dict, scratch) -> None:
     """One unit's values (master or compute copy), moments and step counts into its tiers."""
     u = staged.u
     if staged.values:
-        eng.write_unit_values(u, staged.values, scratch)
+        eng.values.write(u, staged.values, scratch)
     if not u.place.trainable:
         return
     eng.optstate.write_moments_from(u, staged.moment)

@@ -162,7 +162,7 @@ class UnitReader:
         self._units: Dict[tuple, object] = {}
         self._ahead: Optional[tuple] = None  # (key, future)
         self._pool = None
-        self.read = eng.read  # (unit, kind) -> buffer; a background save's copies what eviction could recycle
+        self.read = eng.values.read  # (unit, kind) -> buffer; a background save's copies what eviction could recycle
 
     def expect(self, items) -> None:
         """The order the buffers of ``items`` (a plan's item list) will be asked for."""

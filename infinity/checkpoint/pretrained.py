@@ -241,7 +241,7 @@ def _write(engine, per_unit: Dict[int, Dict[int, str]], buffers: Dict[str, Tuple
         opt.flush()  # a queued delayed update would overwrite the loaded values
     for ui in sorted(per_unit):
         values = {slot: handle(key_file[key]).get_tensor(key) for slot, key in per_unit[ui].items()}
-        engine.write_unit_values(engine.units[ui], values)
+        engine.values.write(engine.units[ui], values)
         del values  # one unit's tensors at a time
     with torch.no_grad():
         for key in buffer_keys:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime
 import warnings
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.nn as nn
@@ -36,13 +36,13 @@ from .owners.host_cache import HostCache
 from .mechanism.mover import DeferredTicket, make_mover
 from .mechanism.nvme import NvmeTier
 from .owners.optstate import OptimizerState
-from .plan.placement import device_need, host_need, modes_of, nvme_capacity, place_unit
+from .plan.placement import host_need, modes_of, nvme_capacity, place_unit
 from .adapt.pressure import PressureMonitor
 from .owners.residency import Residency
 from .owners.saved import SavedTensorRouter
 from .plan.state import DeviceState, Quiet
 from .stats import Stats
-from .mechanism.tiers import BudgetError, DeviceTier, HostTier
+from .mechanism.tiers import BudgetError, HostTier
 from .plan.trace import Trace
 from .plan.units import build_units
 from .values import Values
@@ -74,9 +74,11 @@ class Engine:
         self.param_slot = {id(s.param): (u, i) for u in self.units for i, s in enumerate(u.layout.slots)}
         self.fence = Fence()  # See [Note: the engine's fence]
         self._make_parts()
-        Values(self).initialize(model)
+        self.values = Values(self)  # a unit's values into and out of every tier, for code outside the step
+        self.values.initialize(model)
         # See [Note: saved tensors follow their unit]; units that never move need no hooks.
-        self.saved = None if self.modes.params_on_device else SavedTensorRouter(self)
+        self.saved = None if self.modes.params_on_device else \
+            SavedTensorRouter(self.residency, self.param_slot, self.faults)
         self.schedule = self.optimizer = self.hooks = self.guard = None  # see attach()
         self.values_version = 0  # bumped whenever parameter values change (values_changed, after_step)
         self._pass_pins: list = []
@@ -86,7 +88,7 @@ class Engine:
     def _make_parts(self) -> None:
         """The tiers under their budgets, and the owners that work on them."""
         cfg, modes = self.config, self.modes
-        self.budget = DeviceBudget(self)
+        self.budget = DeviceBudget(self.units, modes, self.device, cfg.device_memory)
         dev_tier = self.budget.first_tier()
         need = host_need([u.place for u in self.units], modes)
         self.host_budget = self._host_budget(need)
@@ -106,7 +108,7 @@ class Engine:
         self.optstate = OptimizerState(self.units, modes, self.cache, self.nvme, self.sharding)
         self.cache.drop_read_ahead = self.optstate.drop_read_ahead
         self.residency = Residency(self.units, modes, dev_tier, self.mover, self.trace, self.stats, self.sharding,
-                                   self.cache, self.device_minimum, self.quiet)
+                                   self.cache, self.budget.minimum, self.quiet)
         self.pressure = PressureMonitor(self)
 
     def _host_budget(self, need) -> int:
@@ -130,40 +132,13 @@ class Engine:
                 f"OOM killer. Give host_memory at most {int(room * 0.9)} bytes, or raise the memory limit")
         return budget
 
-    # -- the device budget ------------------------------------------------------------------
-
-    def device_need(self):
-        """The device tier's needs now (placement.DeviceNeed; external units count once known)."""
-        return device_need([u.place for u in self.units],
-                           [getattr(u, "dev", None) is not None and u.dev.external for u in self.units], self.modes)
-
-    def device_minimum(self) -> int:
-        """The smallest ``device_memory`` (bytes) this model and config run
-        with: the root and external units, ``prefetch_depth + 1`` of the
-        largest other units, the gradient reserve, the device-side optimizer
-        state and 512 bytes of alignment per unit."""
-        return self.device_need().minimum
-
     def after_step(self) -> None:
         """Called at the end of every optimizer step (see [Note: the default
         device budget] and [Note: memory pressure])."""
         self.values_version += 1
-        self.budget.after_step()
+        self.budget.after_step(self.residency, self.gradients, self.saved)
         self.pressure.after_step()
         self.fence.after_step()
-
-    @property
-    def device_budget(self) -> int:
-        """The device budget in force (bytes)."""
-        return self.budget.budget
-
-    @property
-    def device_tier(self) -> DeviceTier:
-        return self.residency.tier
-
-    @property
-    def host_tier(self) -> HostTier:
-        return self.cache.tier
 
     # -- wiring ------------------------------------------------------------------------------
 
@@ -174,39 +149,6 @@ class Engine:
         self.cache.wait_update = self.schedule.wait_one  # the ladder's fourth rung
         self.guard = guard
         guard.arm()
-
-    # -- forward fetch ----------------------------------------------------------------------
-
-    def fetch(self, u) -> None:
-        """``u`` computes now: fetched (waiting for a prefetch), pinned, next units prefetched."""
-        self.residency.settle()
-        self.residency.fetch(u)
-
-    def fetch_for_backward(self, u) -> None:
-        self.residency.settle()
-        self.residency.fetch_for_backward(u)
-
-    def ensure_for_unpack(self, u) -> None:
-        with self.faults.guard("backward (a saved tensor)"):
-            self.residency.ensure_for_unpack(u)
-
-    def settle(self) -> None:
-        self.residency.settle()
-
-    def unpin(self, u) -> None:
-        self.residency.unpin(u)
-
-    def begin_recompute(self, u) -> None:
-        self.residency.begin_recompute(u)
-
-    def end_backward_of(self, u) -> None:
-        self.residency.end_backward_of(u)
-
-    def unit_at(self, offset: int):
-        return self.residency.unit_at(offset)
-
-    def device_stall_seconds(self) -> float:
-        return self.residency.device_stall_seconds()
 
     # -- passes ------------------------------------------------------------------------------
 
@@ -291,46 +233,6 @@ class Engine:
         params = [s.param for s in (u.layout.trainable_slots if slots is None else slots)]
         if params:
             torch.autograd.graph.increment_version(params)
-
-    def write_unit_values(self, u, values: Dict[int, torch.Tensor], scratch=None) -> None:
-        """Overwrites parameters of ``u`` (slot index -> tensor of the slot's
-        numel, any dtype) in every tier that holds them; moments stay. Used
-        by ``infinity.load_pretrained`` and ``load_checkpoint``; ``scratch(numel,
-        dtype)`` gives reusable temporaries (their contents undefined)."""
-        Values(self).write(u, values, scratch)
-
-    @torch.no_grad()
-    def read(self, u, kind: str) -> Optional[torch.Tensor]:
-        """``u``'s full buffer of ``kind`` ("master", "exp_avg", "exp_avg_sq",
-        "compute") from wherever it lives (a temporary copy for NVMe homes);
-        None if it has none. Collective under ZeRO: every rank calls it."""
-        return self.read_compute(u) if kind == "compute" else self.optstate.read(u, kind)
-
-    def read_detached(self, u, kind: str) -> Optional[torch.Tensor]:
-        """:meth:`read` for a reader on another thread while training runs (a
-        background save; ZeRO stage 0, one rank). Updates wait for it
-        (:meth:`fence`), so homes hold still; but buffers of the host pool
-        (cached compute copies, optimizer state read ahead) may be filled,
-        evicted and reused meanwhile: a cached copy is cloned under the host
-        lock, and NVMe-homed optimizer state is read from its home."""
-        if kind == "compute" or (kind == "master" and u.place.aliased):
-            t = self.cache.read_detached(u)
-            if t is None:
-                t = self.residency.permanent_copy(u)
-            return t if kind == "compute" else t[:u.place.trainable_numel]
-        if self.modes.opt_nvme:
-            return self.optstate.read_home(u, kind) if u.place.trainable else None
-        return self.read(u, kind)
-
-    def read_compute(self, u) -> Optional[torch.Tensor]:
-        """``u``'s full compute copy as a CPU tensor (gathered under ZeRO-3)."""
-        if self.modes.zero == 3:
-            shard = self.cache.read_compute(u)
-            full = torch.empty(u.place.compute_numel, dtype=self.modes.dtype)
-            self.sharding.gather_units_params(full, shard, u.place.trainable_numel).wait()
-            return full
-        t = self.cache.read_compute(u)
-        return t if t is not None else self.residency.permanent_copy(u)
 
     def describe_steps(self) -> str:
         """Each unit's optimizer step counts, for error messages (equal counts shown once)."""

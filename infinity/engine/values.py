@@ -1,7 +1,9 @@
-"""Writing values into every tier that holds them: the initial ones at
-``initialize`` (from the model's tensors, or materialised unit by unit from
-an ``infinity.init`` recording), and values loaded later
-(``infinity.load_pretrained``).
+"""A unit's values into and out of every tier, for code outside the step:
+the initial ones at ``initialize`` (from the model's tensors, or
+materialised unit by unit from an ``infinity.init`` recording), values
+loaded later (``infinity.load_pretrained``, ``load_checkpoint``, a write to
+a managed parameter), and reads of a unit's buffers (``full_state_dict``,
+checkpoints, a background save on its own thread).
 
 Allocates each unit's buffers through their owners (host cache, gradients,
 optimizer state, residency) and fills them; owns no state of its own.
@@ -207,7 +209,7 @@ class Values:
         if covers and u.host.compute is None and p.cache.nvme_home(u):
             p.cache.settle_write_back(u)  # the old copy's write-back lands before the new copy's write
             return _blank(scratch, u.place.home_numel, p.modes.dtype, u.layout.slots)
-        return p.read_compute(u)
+        return self.read_compute(u)
 
     def _store_written(self, u, master, home) -> None:
         """Writes the master shard and the home compute copy back to where they live."""
@@ -224,6 +226,43 @@ class Values:
                 u.host.compute.copy_(home)
         if p.cache.nvme_home(u):
             p.cache.store_compute(u, home)
+
+    # -- read by code outside the step ----------------------------------------------------
+
+    @torch.no_grad()
+    def read(self, u, kind: str) -> Optional[torch.Tensor]:
+        """``u``'s full buffer of ``kind`` ("master", "exp_avg", "exp_avg_sq",
+        "compute") from wherever it lives (a temporary copy for NVMe homes);
+        None if it has none. Collective under ZeRO: every rank calls it."""
+        return self.read_compute(u) if kind == "compute" else self.p.optstate.read(u, kind)
+
+    def read_detached(self, u, kind: str) -> Optional[torch.Tensor]:
+        """:meth:`read` for a reader on another thread while training runs (a
+        background save; ZeRO stage 0, one rank). Updates wait for it
+        (the engine's fence), so homes hold still; but buffers of the host pool
+        (cached compute copies, optimizer state read ahead) may be filled,
+        evicted and reused meanwhile: a cached copy is cloned under the host
+        lock, and NVMe-homed optimizer state is read from its home."""
+        p = self.p
+        if kind == "compute" or (kind == "master" and u.place.aliased):
+            t = p.cache.read_detached(u)
+            if t is None:
+                t = p.residency.permanent_copy(u)
+            return t if kind == "compute" else t[:u.place.trainable_numel]
+        if p.modes.opt_nvme:
+            return p.optstate.read_home(u, kind) if u.place.trainable else None
+        return self.read(u, kind)
+
+    def read_compute(self, u) -> Optional[torch.Tensor]:
+        """``u``'s full compute copy as a CPU tensor (gathered under ZeRO-3)."""
+        p = self.p
+        if p.modes.zero == 3:
+            shard = p.cache.read_compute(u)
+            full = torch.empty(u.place.compute_numel, dtype=p.modes.dtype)
+            p.sharding.gather_units_params(full, shard, u.place.trainable_numel).wait()
+            return full
+        t = p.cache.read_compute(u)
+        return t if t is not None else p.residency.permanent_copy(u)
 
 
 def _blank(scratch, numel: int, dtype: torch.dtype, slots) -> torch.Tensor:

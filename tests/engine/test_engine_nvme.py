@@ -186,7 +186,7 @@ def test_nvme_read_ahead_optimizer_state_gives_way(tmp_path):
             size = 1 << 30
             while size >= 4096:  # fill what is left of the pool
                 try:
-                    held.append(eng.host_tier.acquire(size, torch.uint8)[1])
+                    held.append(eng.cache.tier.acquire(size, torch.uint8)[1])
                 except PoolExhausted:
                     size //= 2
             t, buf = eng.cache.acquire(root.place.state_numel, torch.float32, protect=other)

@@ -65,10 +65,10 @@ def test_budgets_held_and_analytic_bound(depth):
     model = small_gpt()
     m, opt = infinity.initialize(model, cfg(prefetch_depth=depth, device_memory=None))
     eng = infinity.api.engine_of(m)
-    need = eng.device_need()
+    need = eng.budget.need()
     slack = 512 * (len(eng.units) + 1)  # per-range alignment, and the arena rounded down
     minimum = need.arena_min + need.grad_reserve + slack
-    assert minimum == eng.device_minimum()
+    assert minimum == eng.budget.minimum()
     # Now at the smallest budget the engine accepts.
     model2 = small_gpt()
     m2, opt2 = infinity.initialize(model2, cfg(prefetch_depth=depth, device_memory=minimum))
@@ -242,17 +242,19 @@ def test_default_device_budget_grows_after_the_first_step(monkeypatch):
 
     def default_budget(self, minimum):
         # As if half the free memory were below the minimum: the first pass runs at the minimum.
-        return device_budget.initial_budget(minimum, self.e.device_need().everything, minimum), capacity
+        return device_budget.initial_budget(minimum, self.need().everything, minimum), capacity
 
+    engines = []  # the engine, once built: the peak counts its arena as the allocator would
     monkeypatch.setattr(budget_cls, "default", default_budget)
-    monkeypatch.setattr(budget_cls, "memory_peak",
-                        lambda self: self.e.device_tier.arena_bytes + self.e.device_tier.fixed_bytes + need_other)
+    monkeypatch.setattr(budget_cls, "memory_peak", lambda self: engines[0].residency.tier.arena_bytes
+                        + engines[0].residency.tier.fixed_bytes + need_other)
     import copy
     ref = small_gpt()
     m, opt = infinity.initialize(copy.deepcopy(ref), cfg(device_memory=None), lr=1e-3, weight_decay=0.1)
     eng = infinity.api.engine_of(m)
-    first = eng.device_budget
-    assert first == eng.device_minimum() < eng.device_need().everything
+    engines.append(eng)
+    first = eng.budget.budget
+    assert first == eng.budget.minimum() < eng.budget.need().everything
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
     for x, y in batches(4):
         loss, rl = m(x, y), ref(x, y)
@@ -263,7 +265,7 @@ def test_default_device_budget_grows_after_the_first_step(monkeypatch):
         opt.zero_grad()
         ref_opt.zero_grad()
         assert abs(loss.item() - rl.item()) <= 1e-5 * abs(rl.item())
-    grown = min(eng.device_need().everything, capacity - int(device_budget.HEADROOM * need_other) - device_budget.MARGIN_BYTES)
-    assert first < grown == eng.device_budget == infinity.stats(m)["budget_bytes"]["device"]
+    grown = min(eng.budget.need().everything, capacity - int(device_budget.HEADROOM * need_other) - device_budget.MARGIN_BYTES)
+    assert first < grown == eng.budget.budget == infinity.stats(m)["budget_bytes"]["device"]
     assert infinity.stats(m)["peak_bytes"]["device"] <= grown
     assert_params_close(infinity.full_state_dict(m), ref.state_dict())

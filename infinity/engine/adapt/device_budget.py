@@ -50,17 +50,32 @@ def grown_budget(capacity_bytes: int, peak_allocated: int, own_bytes: int, curre
 
 class DeviceBudget:
     """Sizes an engine's device tier: the explicit ``device_memory``, or the
-    default that starts small and grows once (see the Note above)."""
+    default that starts small and grows once (see the Note above). It is
+    handed the units, the modes, the device and ``device_memory`` (bytes or
+    None); the owners whose tier it replaces are handed to :meth:`after_step`."""
 
-    def __init__(self, engine):
-        self.e = engine
+    def __init__(self, units, modes, device, device_memory: Optional[int]):
+        self.units, self.modes, self.device, self.device_memory = units, modes, device, device_memory
         self.capacity: Optional[int] = None  # bytes to grow into, until the first step
         self.budget = 0
+
+    def need(self):
+        """The device tier's needs now (placement.DeviceNeed; external units count once known)."""
+        from ..plan.placement import device_need
+        return device_need([u.place for u in self.units],
+                           [getattr(u, "dev", None) is not None and u.dev.external for u in self.units], self.modes)
+
+    def minimum(self) -> int:
+        """The smallest ``device_memory`` (bytes) this model and config run
+        with: the root and external units, ``prefetch_depth + 1`` of the
+        largest other units, the gradient reserve, the device-side optimizer
+        state and 512 bytes of alignment per unit."""
+        return self.need().minimum
 
     def first_tier(self):
         """The device tier of ``initialize`` (raises BudgetError below the minimum)."""
         from ..mechanism.tiers import BudgetError
-        need, budget = self.e.device_need(), self.e.config.device_memory
+        need, budget = self.need(), self.device_memory
         if budget is None:
             budget, self.capacity = self.default(need.minimum)
         if budget < need.minimum:
@@ -69,18 +84,18 @@ class DeviceBudget:
 
     def _tier(self, budget: int):
         from ..mechanism.tiers import DeviceTier
-        need = self.e.device_need()
+        need = self.need()
         self.budget = budget
-        return DeviceTier(self.e.device, budget, need.arena_bytes(budget), need.grad_reserve, need.opt_fixed)
+        return DeviceTier(self.device, budget, need.arena_bytes(budget), need.grad_reserve, need.opt_fixed)
 
     def _too_small(self, budget: int, need) -> str:
         from ...config.runtime import format_bytes
-        units = self.e.units
+        units = self.units
         biggest = max(units[1:], key=lambda u: u.place.compute_bytes, default=units[0])
         return (f"device_memory={budget} bytes ({format_bytes(budget)}) is too small: it needs at least "
                 f"{need.minimum} bytes ({format_bytes(need.minimum)}): the root unit "
                 f"({units[0].place.compute_bytes} bytes), the largest unit {biggest.name!r} "
-                f"({biggest.place.compute_bytes} bytes) and prefetch_depth={self.e.modes.depth} more units of up "
+                f"({biggest.place.compute_bytes} bytes) and prefetch_depth={self.modes.depth} more units of up "
                 f"to that size, {need.grad_reserve} bytes for gradients in flight"
                 + (f" and {need.opt_fixed} bytes of optimizer state on the device" if need.opt_fixed else "")
                 + ". Raise device_memory, lower prefetch_depth, or split the model into smaller units "
@@ -89,12 +104,12 @@ class DeviceBudget:
     def default(self, minimum: int):
         """(budget, capacity to grow into or None) for ``device_memory=None``."""
         import torch
-        dev, everything = self.e.device, self.e.device_need().everything
+        dev, everything = self.device, self.need().everything
         if dev.type != "cuda":
             return everything, None  # the CPU "device" is RAM: no budget unless one is given
         free, _total = torch.cuda.mem_get_info(dev)
         free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        if self.e.modes.params_on_device:
+        if self.modes.params_on_device:
             return max(minimum, int(free * 0.9)), None  # nothing pages: the arena holds every unit anyway
         torch.cuda.reset_peak_memory_stats(dev)  # the peak read after the first step is ours
         return initial_budget(free, everything, minimum), free
@@ -102,28 +117,31 @@ class DeviceBudget:
     def memory_peak(self) -> int:
         """The device allocator's peak bytes since initialize (CUDA)."""
         import torch
-        return torch.cuda.max_memory_allocated(self.e.device)
+        return torch.cuda.max_memory_allocated(self.device)
 
-    def after_step(self) -> None:
+    def after_step(self, residency, grads, saved) -> None:
         """After the first step with the default budget, every unit has left
-        the arena: grows the budget to what the pass left free."""
+        the arena: grows the budget to what the pass left free. ``residency``
+        and ``grads`` work on the device tier, ``saved`` (or None) holds views
+        of its arena: all let go of the old arena before the new one is allocated."""
         from ..plan.state import DeviceState
         cap, self.capacity = self.capacity, None
-        e = self.e
-        if cap is None or any(u.dev.state is not DeviceState.ABSENT for u in e.units if not u.dev.permanent):
+        if cap is None or any(u.dev.state is not DeviceState.ABSENT for u in self.units if not u.dev.permanent):
             return
-        old = e.residency.tier
+        old = residency.tier
         new = grown_budget(cap, self.memory_peak(), old.arena_bytes + old.fixed_bytes, self.budget,
-                           e.device_need().everything)
+                           self.need().everything)
         if new is None:
             return
         peak = old.peak_bytes
-        e.residency.set_tier(None)
-        e.gradients.set_device(None)
+        residency.set_tier(None)
+        grads.set_device(None)
+        if saved is not None:
+            saved.drop_buffers()
         del old  # the old arena goes before the new one is allocated
         tier = self._tier(new)
         tier.peak_bytes = max(tier.peak_bytes, peak)
-        e.residency.set_tier(tier)
-        e.gradients.set_device(tier)
-        if e.saved is not None:
-            e.saved.rebind()
+        residency.set_tier(tier)
+        grads.set_device(tier)
+        if saved is not None:
+            saved.rebind()

@@ -49,16 +49,23 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _internally(eng: Engine, fn, *args) -> None:
+def _internally(eng: Engine, where: str, fn, *args) -> None:
     """Runs an engine call that touches parameters itself, unseen by the
     recording pass's watcher; a fault it raises fails the engine (see
-    [Note: a run is consistent or it says so])."""
-    with eng.faults.guard(_WHERE.get(fn.__name__, fn.__name__)), eng.quiet:
+    [Note: a run is consistent or it says so]); ``where`` names the moment for its error."""
+    with eng.faults.guard(where), eng.quiet:
         fn(*args)
 
 
-_WHERE = {"fetch": "forward (a unit's fetch)", "fetch_for_backward": "backward (a unit's fetch)",
-          "end_backward_of": "backward", "on_grad": "backward (a gradient)"}
+def _fetch(res, u) -> None:
+    """``u`` computes now: fetched (waiting for a prefetch), pinned, next units prefetched."""
+    res.settle()
+    res.fetch(u)
+
+
+def _fetch_for_backward(res, u) -> None:
+    res.settle()
+    res.fetch_for_backward(u)
 
 
 def _leaves(obj: Any, out: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -237,13 +244,13 @@ class Hooks:
     def _make_pre(self, u: Unit):
         def pre(module, args, kwargs):
             eng = self.engine
-            _internally(eng, eng.fetch, u)
+            _internally(eng, "forward (a unit's fetch)", _fetch, eng.residency, u)
             in_bwd = _in_backward()
             if in_bwd:
                 # Recomputation (activation checkpointing) inside backward:
                 # the pin stays until u's backward is done, not until the
                 # forward hook, which an early-stopping recomputation never runs.
-                eng.begin_recompute(u)
+                eng.residency.begin_recompute(u)
             grad = torch.is_grad_enabled()
             pushed = bool(grad and not in_bwd and eng.saved is not None and not u.dev.external and eng.saved.push())
             self._calls.append((module, not in_bwd, pushed))
@@ -266,7 +273,7 @@ class Hooks:
             if pushed:
                 eng.saved.pop()
             if pinned:
-                eng.unpin(u)
+                eng.residency.unpin(u)
             if output is not None and torch.is_grad_enabled():
                 outs = _grad_tensors(output)
                 if outs:
@@ -276,15 +283,16 @@ class Hooks:
 
     def _pre_backward(self, u: Unit) -> None:
         eng = self.engine
-        _internally(eng, eng.fetch_for_backward, u)
+        _internally(eng, "backward (a unit's fetch)", _fetch_for_backward, eng.residency, u)
 
     def _post_backward(self, u: Unit) -> None:
-        _internally(self.engine, self.engine.end_backward_of, u)
+        eng = self.engine
+        _internally(eng, "backward", eng.residency.end_backward_of, u)
 
     def _make_grad_hook(self, u: Unit, ti: int):
         def hook(p):
             eng = self.engine
-            _internally(eng, eng.on_grad, u, ti, p)
+            _internally(eng, "backward (a gradient)", eng.on_grad, u, ti, p)
         return hook
 
 

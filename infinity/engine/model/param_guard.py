@@ -282,7 +282,7 @@ class ParamGuard:
         if self._key != key:
             self._buf = None
             with eng.faults.guard("reading a parameter outside forward"):
-                self._buf = eng.read(u, "compute")
+                self._buf = eng.values.read(u, "compute")
             self._key = key
         if device is None:
             device = "cpu" if self.collective else p.device
@@ -390,14 +390,14 @@ class ParamGuard:
         """``p``'s current value in fp32 (the master when it trains), as a new tensor on ``p``'s device."""
         if s.trainable:
             with self.eng.faults.guard("writing a parameter outside forward"):
-                master = self.eng.read(u, "master")
+                master = self.eng.values.read(u, "master")
             return master[s.offset:s.offset + s.numel].view(s.shape).to(p.device, torch.float32, copy=True)
         return self.value(p).float()
 
     def _store(self, u, values: Dict[int, torch.Tensor]) -> None:
         eng = self.eng
         with eng.faults.guard("writing a parameter outside forward"):
-            eng.write_unit_values(u, {i: v.reshape(-1) for i, v in values.items()})
+            eng.values.write(u, {i: v.reshape(-1) for i, v in values.items()})
         self.clear()
 
     def flush_batch(self) -> None:

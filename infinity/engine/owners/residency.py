@@ -379,7 +379,7 @@ class Residency:
         d = u.dev
         if not d.permanent and d.state is not DeviceState.ABSENT:
             if d.pins:
-                raise UsageError(f"write_unit_values: unit {u.name!r} is in use by a forward/backward")
+                raise UsageError(f"writing the values of unit {u.name!r} is in use by a forward/backward")
             self.evict(u)
 
     def permanent_copy(self, u) -> Optional[torch.Tensor]:

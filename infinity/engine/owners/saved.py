@@ -73,20 +73,21 @@ def _version_error(what: str, saved: int, now: int) -> RuntimeError:
 class SavedTensorRouter:
     """Packs arena views as :class:`ArenaRef` and rebuilds them on unpack.
 
-    ``engine`` provides ``device_tier`` (the arena), ``param_slot`` (id of a
-    parameter -> (unit, slot index)), ``unit_at(byte_offset)``, and
-    ``ensure_for_unpack(unit)``.
+    ``residency`` owns the arena (``tier.arena``), finds the unit at a byte
+    offset (``unit_at``) and brings a unit back for an unpack
+    (``ensure_for_unpack``); ``param_slot`` maps id of a parameter to (unit,
+    slot index); ``faults`` fails the engine on an error during an unpack.
     """
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, residency, param_slot: dict, faults):
+        self.residency, self.param_slot, self.faults = residency, param_slot, faults
         self._stack: list = []  # per push: the hooks that were on top before (or None)
         self.rebind()
 
     def rebind(self) -> None:
         """Follows the engine to a new arena (the device budget grew); saved
         references are places in units, so they stay valid."""
-        arena = self.engine.device_tier.arena
+        arena = self.residency.tier.arena
         self._lo = arena.data_ptr()
         self._hi = self._lo + arena.numel()
         self._arena = arena
@@ -145,10 +146,9 @@ class SavedTensorRouter:
         ptr = t.data_ptr()
         if not (self._lo <= ptr < self._hi):
             return None
-        eng = self.engine
         base = t._base if t._base is not None else t
-        hit = eng.param_slot.get(id(base))
-        u = hit[0] if hit is not None else eng.unit_at(ptr - self._lo)
+        hit = self.param_slot.get(id(base))
+        u = hit[0] if hit is not None else self.residency.unit_at(ptr - self._lo)
         if u is None or u.dev.range is None:
             raise RuntimeError(f"infinity: a tensor saved for backward lies in the device arena at byte "
                                f"{ptr - self._lo} but in no resident unit (internal error)")
@@ -158,9 +158,10 @@ class SavedTensorRouter:
 
     def _unpack_arena(self, ref: ArenaRef) -> torch.Tensor:
         u = ref.unit
-        self.engine.ensure_for_unpack(u)
+        with self.faults.guard("backward (a saved tensor)"):
+            self.residency.ensure_for_unpack(u)
         if ref.param is not None and ref.param._version != ref.version:
-            name = u.layout.slots[self.engine.param_slot[id(ref.param)][1]].name
+            name = u.layout.slots[self.param_slot[id(ref.param)][1]].name
             raise _version_error(f"parameter {name!r} (unit {u.name!r})", ref.version, ref.param._version)
         view = self._views.get(ref.dtype)
         if view is None:

@@ -264,7 +264,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         for u in eng.units:
             if not any(s.step for s in u.layout.trainable_slots):
                 continue
-            m, v = eng.read(u, "exp_avg"), eng.read(u, "exp_avg_sq")
+            m, v = eng.values.read(u, "exp_avg"), eng.values.read(u, "exp_avg_sq")
             for s in u.layout.trainable_slots:
                 if s.step == 0:
                     continue
