@@ -179,7 +179,7 @@ def train_infinity(model, opt, batches, args, dev, metrics):
 
 
 def lower_bound(n_params: int, step_moved: dict, compute_s: float, dev, swap_dirs, offload: str) -> dict:
-    """max(compute + optimizer, transfers), each measured on this machine now (see scripts/bench_train.py)."""
+    """max(compute + optimizer, transfers), each measured on this machine now (see scripts/bench/bench_train.py)."""
     opt_s = perf.optimizer_time(n_params, None)
     bw = {"h2d": perf.copy_bandwidth(16 << 20, dev), "d2h": perf.copy_bandwidth(16 << 20, dev)}
     if offload == "nvme":

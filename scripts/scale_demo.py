@@ -38,18 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import infinity  # noqa: E402
 from infinity.config.runtime import format_bytes, parse_bytes  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+from _common import rss_bytes  # noqa: E402  (scripts/bench/_common.py)
 
 
-def rss_bytes(field: str = "VmHWM") -> int:
-    """Peak (VmHWM) or current (VmRSS) resident set size of this process, bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=51, help="GPT blocks (default 51: ~4 B params at --embd 2560)")
     ap.add_argument("--embd", type=int, default=2560, help="embedding width, a multiple of --heads (default 2560)")
@@ -68,11 +61,12 @@ def main() -> int:
     ap.add_argument("--checkpoint", default=None,
                     help="save a checkpoint here after the steps, resume it in a new model and compare one step "
                          "bit for bit, then consolidate it to bf16 (removed at the end)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                    n_embd=args.embd)
-    n = cfg.num_params()
+
+def disk_check(args, n: int):
+    """The swap folders (made), or None (with the error printed) if their disks
+    and the checkpoint's have too little room."""
     dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
     # On disk: fp32 master + two moments, the compute copy, headroom for alignment.
     need = n * (12 + dtype_bytes) + (1 << 30)
@@ -94,13 +88,12 @@ def main() -> int:
     if free < need:
         print(f"error: not enough free disk space in {paths_and_ckpt}: {need} bytes needed, {free} free. Free space "
               "or pass --swap-dir/--checkpoint on a larger disk, or fewer --layers", file=sys.stderr)
-        return 2
+        return None
+    return paths
 
-    config = infinity.Config(device="cpu", dtype=args.dtype, device_memory=args.device_memory,
-                             host_memory=args.host_memory, offload_params="nvme", offload_optimizer="nvme",
-                             swap_paths=paths, overlap="backward", prefetch_depth=2)
-    model, opt = build(cfg, config, args.lr)
 
+def train(model, opt, args) -> tuple:
+    """args.steps steps on one fixed batch, each printed: (x, y, losses, step seconds)."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
     y = torch.roll(x, -1, dims=1)
@@ -118,6 +111,23 @@ def main() -> int:
         print(f"step {step}: loss {losses[-1]:.4f}  {times[-1]:.1f} s  moved: NVMe read "
               f"{format_bytes(mv['nvme_read'])}, write {format_bytes(mv['nvme_write'])}, h2d "
               f"{format_bytes(mv['h2d'])}; peak RSS {format_bytes(rss_bytes())}", flush=True)
+    return x, y, losses, times
+
+
+def main() -> int:
+    args = parse_args()
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                    n_embd=args.embd)
+    n = cfg.num_params()
+    paths = disk_check(args, n)
+    if paths is None:
+        return 2
+
+    config = infinity.Config(device="cpu", dtype=args.dtype, device_memory=args.device_memory,
+                             host_memory=args.host_memory, offload_params="nvme", offload_optimizer="nvme",
+                             swap_paths=paths, overlap="backward", prefetch_depth=2)
+    model, opt = build(cfg, config, args.lr)
+    x, y, losses, times = train(model, opt, args)
     with torch.no_grad():
         final = model(x, y).item()
     s = infinity.stats(model)

@@ -1,6 +1,6 @@
 """The estimator's peaks per tier within ±10% of the measured peaks
 (issue 20): host and NVMe placements, ZeRO 0 and 3 on 2 ranks, activation
-checkpointing on and off, two batch sizes (scripts/bench_estimate.py).
+checkpointing on and off, two batch sizes (scripts/bench/bench_estimate.py).
 Each measured peak is the median of three runs: one run's RSS was seen 10%
 above its usual value on a CI machine (the page cache's share of torch's
 libraries moves it), and a single outlier must not decide the row."""
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_estimate_is_within_ten_percent_of_every_measured_peak(tmp_path):
     out = tmp_path / "rows.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_estimate.py"), "--repeats", "3",
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_estimate.py"), "--repeats", "3",
                         "--json", str(out)],
                        capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     rows = json.loads(out.read_text())

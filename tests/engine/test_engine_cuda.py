@@ -1,8 +1,8 @@
 """The CUDA path of the engine (copy streams, events, pinned host pool),
 against plain PyTorch on the same GPU: the reference runs the engine's kernels
 (TF32 off), so the CPU suite's rtol of 1e-5 applies. Skipped without a GPU;
-scripts/gpu_check.sh runs it there. INFINITY_TEST_DEVICE=cpu runs the same
-tests on the CPU (the dry run of gpu_check.sh proves the file that way)."""
+scripts/gpu/check.sh runs it there. INFINITY_TEST_DEVICE=cpu runs the same
+tests on the CPU (the dry run of scripts/gpu/check.sh proves the file that way)."""
 
 import os
 
@@ -21,7 +21,7 @@ ON_CUDA = DEVICE.startswith("cuda")
 pytestmark = pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(), reason="needs CUDA")
 
 UB = unit_bytes(small_gpt())
-# On the CPU the file only has to prove itself (gpu_check.sh --dry-run): fewer steps.
+# On the CPU the file only has to prove itself (scripts/gpu/check.sh --dry-run): fewer steps.
 STEPS, RACE_STEPS = (10, 6) if ON_CUDA else (4, 3)
 
 

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh --dry-run: every stage of the GPU check, tiny, on the
+"""scripts/gpu/check.sh --dry-run: every stage of the GPU check, tiny, on the
 CPU, so the script and each Python entry point it calls are proven before the
 few minutes of GPU time (the stages that need CUDA report SKIP)."""
 
@@ -14,7 +14,7 @@ STAGES = ["probe", "build", "smoke", "race", "sanitize", "bench", "nccl"]
 def test_gpu_check_dry_run(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
     env.pop("INFINITY_NATIVE", None)  # the script decides, from its own build
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "check.sh"), "--dry-run"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     summary = (tmp_path / "out" / "summary.txt").read_text()

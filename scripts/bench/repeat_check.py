@@ -4,7 +4,7 @@ bitwise: any difference (or error, or hang) is a race. Used to find the
 staging race of [Note: a handle under submission] (1 run in 30-60 differed
 before the fix, 0 in 240 after).
 
-Usage: python scripts/repeat_check.py [--params nvme --opt nvme --overlap backward --trials 30 --block 4096]
+Usage: python scripts/bench/repeat_check.py [--params nvme --opt nvme --overlap backward --trials 30 --block 4096]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import infinity  # noqa: E402

@@ -16,7 +16,7 @@ hold the same) + a fixed overhead (FIXED_OVERHEAD: the worker threads'
 malloc arenas, the engine's bookkeeping). Prints the ratio of the peak RSSs
 and whether infinity's peak is within its bound.
 
-Usage: python scripts/bench_rss.py [--layers 12 --embd 768 --steps 4 --host 512MiB --device 192MiB]
+Usage: python scripts/bench/bench_rss.py [--layers 12 --embd 768 --steps 4 --host 512MiB --device 192MiB]
 """
 
 from __future__ import annotations
@@ -24,20 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import run_json_child, status_kib
 
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model(args):
@@ -60,7 +53,7 @@ def child(args) -> dict:
     import torch
     import infinity
     torch.set_num_threads(os.cpu_count() or 1)
-    base = _rss_kib("VmRSS")
+    base = status_kib("VmRSS")
     model = _model(args)
     params = sum(p.numel() for p in model.parameters())
     rss = []
@@ -77,8 +70,8 @@ def child(args) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        rss.append(_rss_kib("VmRSS") * 1024)
-    out = {"side": args.side, "params": params, "peak_rss": _rss_kib("VmHWM") * 1024, "rss": rss,
+        rss.append(status_kib("VmRSS") * 1024)
+    out = {"side": args.side, "params": params, "peak_rss": status_kib("VmHWM") * 1024, "rss": rss,
            "runtime_rss": base * 1024}
     if args.side == "infinity":
         st = infinity.stats(model)
@@ -90,11 +83,10 @@ def child(args) -> dict:
 
 
 def run_side(args, side: str, swap: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", side, "--swap", swap] + args.passthrough
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if res.returncode != 0:
+    out, res = run_json_child(__file__, ["--child", side, "--swap", swap] + args.passthrough)
+    if out is None:
         raise SystemExit(f"{side} run failed ({res.returncode}):\n{res.stderr[-4000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return out
 
 
 def report(t: dict, i: dict) -> bool:

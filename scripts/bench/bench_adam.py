@@ -29,14 +29,13 @@ Each timed call follows an untimed call of the same method (steady state;
 see the comment in bench()). Figures are medians of per-round ratios. Prints a table, checks the issue's
 targets, writes JSON.
 
-Usage: python scripts/bench_adam.py [--sizes 1e8,5e8] [--rounds 7] [--json PATH]
+Usage: python scripts/bench/bench_adam.py [--sizes 1e8,5e8] [--rounds 7] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import platform
 import statistics
@@ -46,10 +45,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import infinity  # noqa: E402
 from infinity.system import native  # noqa: E402
 from infinity.optim import CPUAdamW, adamw_step_  # noqa: E402
+from _common import write_json  # noqa: E402
 
 STAGGER_ELEMS = 1040  # 4160 bytes: moves each buffer by one page + one cache line
 
@@ -264,10 +264,8 @@ def main() -> int:
         ok_all &= ok
         print(f"  {key:32s} >= {target:4.2f}: min {min(vals):.3f} median {statistics.median(vals):.3f} "
               f"{'PASS' if ok else 'FAIL'}")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"info": info, "torch": torch.__version__, "results": results,
-                               "targets": {k: t for k, t in TARGETS}, "all_targets_met": ok_all}, indent=1))
+    out = write_json(args.json, {"info": info, "torch": torch.__version__, "results": results,
+                                 "targets": {k: t for k, t in TARGETS}, "all_targets_met": ok_all})
     print(f"\nJSON: {out}")
     return 0
 

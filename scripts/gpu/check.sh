@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks in one command (docs: /work/shared/cuda-review.md, section G),
+# The GPU checks in one command (CI runs its --dry-run: tests/integration/test_gpu_check_dry_run.py),
 # for one short slot on a CUDA machine with no network. Stages, in order, each
 # under its own `timeout` and logged to $OUT/stageN_<name>.log:
 #   0 probe     versions, pinned pool close/re-open, pinned vs pageable GB/s   30 s
 #   1 build     the native library (CMake) into $BUILD_DIR                    120 s
-#   2 smoke     tests/test_engine_cuda.py: "host and step" with
+#   2 smoke     tests/engine/test_engine_cuda.py: "host and step" with
 #               CUDA_LAUNCH_BLOCKING=1 (where async errors happen), then the
 #               rest without it                                         120 + 180 s
-#   3 race      scripts/gpu_race.py: lagged vs plain vs plain torch            90 s
-#   4 sanitize  TORCH_CUDA_SANITIZER=1 scripts/gpu_race.py --sanitize          60 s
-#   5 bench     scripts/bench_train.py 24x1024, then a profiled small one 150 + 60 s
+#   3 race      scripts/gpu/race.py: lagged vs plain vs plain torch            90 s
+#   4 sanitize  TORCH_CUDA_SANITIZER=1 scripts/gpu/race.py --sanitize          60 s
+#   5 bench     scripts/bench/bench_train.py 24x1024, then a profiled small one 150 + 60 s
 #   6 nccl      (if 60 s are left) world of one, zero_stage 2 and 1, over
 #               nccl, then cpu:gloo,cuda:nccl                             60 + 60 s
 # A failed stage never stops the later ones; a failed build makes them run
@@ -25,9 +25,9 @@
 #
 # Environment: OUT (default ./bench-results), PYTHON (default python3),
 # BUILD_DIR (default ./build/gpu-native).
-# Usage: bash scripts/gpu_check.sh [--dry-run] [--pip-install] [--budget SECONDS]
+# Usage: bash scripts/gpu/check.sh [--dry-run] [--pip-install] [--budget SECONDS]
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 dry=0 pip_install=0 budget=540
 while [ $# -gt 0 ]; do
@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry=1 ;;
     --pip-install) pip_install=1 ;;
     --budget) budget="$2"; shift ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (use --dry-run, --pip-install, --budget SECONDS)" >&2; exit 2 ;;
+    *) echo "gpu/check.sh: unknown argument '$1' (use --dry-run, --pip-install, --budget SECONDS)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -61,10 +61,10 @@ export -f note
 
 stage_probe() {
   if [ "$DRY" = 1 ]; then
-    "$PY" scripts/gpu_probe.py --device cpu --pool-mib 16 --copy-mib 8 --reps 2 --json "$OUT/probe.json"
+    "$PY" scripts/gpu/probe.py --device cpu --pool-mib 16 --copy-mib 8 --reps 2 --json "$OUT/probe.json"
   else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-    "$PY" scripts/gpu_probe.py --device cuda --json "$OUT/probe.json"
+    "$PY" scripts/gpu/probe.py --device cuda --json "$OUT/probe.json"
   fi
 }
 
@@ -107,8 +107,8 @@ stage_smoke() {
   # the signal method; the thread method dumps every stack and ends pytest.
   "$PY" -c "import pytest_timeout" 2>/dev/null && to=(--timeout=90 --timeout-method=thread)
   CUDA_LAUNCH_BLOCKING=1 timeout --foreground -s ABRT -k 5 120 "$PY" -m pytest -x -q -p no:cacheprovider "${to[@]}" \
-    tests/test_engine_cuda.py -k "host and step" || rc=1
-  timeout --foreground -s ABRT -k 5 180 "$PY" -m pytest -q -p no:cacheprovider "${to[@]}" tests/test_engine_cuda.py \
+    tests/engine/test_engine_cuda.py -k "host and step" || rc=1
+  timeout --foreground -s ABRT -k 5 180 "$PY" -m pytest -q -p no:cacheprovider "${to[@]}" tests/engine/test_engine_cuda.py \
     -k "not (host and step)" || rc=1
   [ "$DRY" = 1 ] && note "dry run: the CUDA tests ran on the CPU (INFINITY_TEST_DEVICE=cpu)"
   return $rc
@@ -116,34 +116,34 @@ stage_smoke() {
 
 stage_race() {
   if [ "$DRY" = 1 ]; then
-    "$PY" scripts/gpu_race.py --device cpu --steps 2 --depths 1 --json "$OUT/race.json"
+    "$PY" scripts/gpu/race.py --device cpu --steps 2 --depths 1 --json "$OUT/race.json"
   else
-    "$PY" scripts/gpu_race.py --device cuda --json "$OUT/race.json"
+    "$PY" scripts/gpu/race.py --device cuda --json "$OUT/race.json"
   fi
 }
 
 stage_sanitize() {
   if [ "$DRY" = 1 ]; then
     # The sanitizer watches CUDA streams and kernels only; its cases still run here.
-    "$PY" scripts/gpu_race.py --sanitize --device cpu --json "$OUT/sanitize.json" || return 1
+    "$PY" scripts/gpu/race.py --sanitize --device cpu --json "$OUT/sanitize.json" || return 1
     note "needs CUDA (TORCH_CUDA_SANITIZER); the --sanitize cases ran on the CPU without it"
     return 77
   fi
-  TORCH_CUDA_SANITIZER=1 "$PY" scripts/gpu_race.py --sanitize --device cuda --json "$OUT/sanitize.json"
+  TORCH_CUDA_SANITIZER=1 "$PY" scripts/gpu/race.py --sanitize --device cuda --json "$OUT/sanitize.json"
 }
 
 stage_bench() {
   local rc=0
   if [ "$DRY" = 1 ]; then
-    timeout --foreground -s ABRT -k 5 60 "$PY" scripts/bench_train.py --device cpu --layers 8 --embd 32 --heads 2 \
+    timeout --foreground -s ABRT -k 5 60 "$PY" scripts/bench/bench_train.py --device cpu --layers 8 --embd 32 --heads 2 \
       --vocab 256 --seq 32 --batch 2 --steps 2 --no-sweep --prefetch-depth 1 --budget-frac 0.6 \
       --json "$OUT/bench_train.json" --profile "$OUT/bench_profile.json.gz" || rc=1
     note "dry run: one tiny run, profiled, on the CPU (CUDA memory and pinned-copy numbers need CUDA)"
     return $rc
   fi
-  timeout --foreground -s ABRT -k 5 150 "$PY" scripts/bench_train.py --device cuda --layers 24 --embd 1024 \
+  timeout --foreground -s ABRT -k 5 150 "$PY" scripts/bench/bench_train.py --device cuda --layers 24 --embd 1024 \
     --vocab 32000 --seq 512 --batch 8 --steps 6 --no-sweep --json "$OUT/bench_train_cuda.json" || rc=1
-  timeout --foreground -s ABRT -k 5 60 "$PY" scripts/bench_train.py --device cuda --layers 8 --embd 1024 \
+  timeout --foreground -s ABRT -k 5 60 "$PY" scripts/bench/bench_train.py --device cuda --layers 8 --embd 1024 \
     --vocab 32000 --seq 512 --batch 8 --steps 2 --no-sweep --json "$OUT/bench_train_cuda_small.json" \
     --profile "$OUT/bench_profile_cuda.json.gz" || rc=1
   return $rc
@@ -152,14 +152,14 @@ stage_bench() {
 stage_nccl() {
   local rc=0
   if [ "$DRY" = 1 ]; then
-    "$PY" scripts/gpu_race.py --dist gloo --device cpu --steps 2 --json "$OUT/zero2_gloo.json" || rc=1
+    "$PY" scripts/gpu/race.py --dist gloo --device cpu --steps 2 --json "$OUT/zero2_gloo.json" || rc=1
     note "dry run: gloo on the CPU (NCCL needs CUDA)"
     return $rc
   fi
   # The documented backend first (review D1 predicts a failure), then the mixed one.
-  timeout --foreground -s ABRT -k 5 60 "$PY" scripts/gpu_race.py --dist nccl --device cuda \
+  timeout --foreground -s ABRT -k 5 60 "$PY" scripts/gpu/race.py --dist nccl --device cuda \
     --json "$OUT/zero2_nccl.json" || rc=1
-  timeout --foreground -s ABRT -k 5 60 "$PY" scripts/gpu_race.py --dist cpu:gloo,cuda:nccl --device cuda \
+  timeout --foreground -s ABRT -k 5 60 "$PY" scripts/gpu/race.py --dist cpu:gloo,cuda:nccl --device cuda \
     --json "$OUT/zero2_mixed.json" || rc=1
   return $rc
 }

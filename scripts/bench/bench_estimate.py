@@ -17,7 +17,7 @@ and one outlier must not decide the row. Each repeat's RSS at the start and
 end of training, split into anonymous and file-backed pages, is in the row
 (``rss_split``) to tell such causes apart.
 
-Usage: python scripts/bench_estimate.py [--steps 3] [--repeats 1] [--json out.json] [--only 0,3]
+Usage: python scripts/bench/bench_estimate.py [--steps 3] [--repeats 1] [--json out.json] [--only 0,3]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIERS = ("device", "host", "nvme", "rss")
 TOLERANCE = 0.10
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Race stress of the engine's copy streams (stage 3 of scripts/gpu_check.sh).
+"""Race stress of the engine's copy streams (stage 3 of scripts/gpu/check.sh).
 
 Two models, each at the engine's minimum device budget (read off the
 BudgetError of ``device_memory=1``): the tests' tiny GPT (equal units) and
@@ -26,7 +26,7 @@ Modes: --sanitize (stage 4: two steps of the tiniest case, under
 TORCH_CUDA_SANITIZER=1); --dist BACKEND (stage 6: a world of one process,
 zero_stage=2, against the same reference).
 
-Usage: python scripts/gpu_race.py [--device cuda] [--json race.json]
+Usage: python scripts/gpu/race.py [--device cuda] [--json race.json]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import infinity  # noqa: E402
 from engine_utils import (add_lag, batches, cuda_lag, deterministic, min_device_budget, small_gpt,  # noqa: E402

@@ -37,7 +37,7 @@ overwrites; reads are O_DIRECT (or cold), so the page cache is not measured.
 Overwrites from the pool run twice: 'write_over' with the store taking the
 checksums, 'write_over_sums' with the sums passed in as the optimizer's
 write-back passes those its AdamW step took (docs/io.md, "Sums from the
-producer"; scripts/bench_adam.py prices taking them in the step).
+producer"; scripts/bench/bench_adam.py prices taking them in the step).
 
 [Note: the checksum's price]
 The store with checksums off ('-nosum', Config's defaults otherwise) and one
@@ -88,7 +88,7 @@ pool, 8 MiB blocks, queue depth 8; usually the best) a second time in each
 round, as a case of its own, and its ratio to the best raw figure, printed
 beside the targets, is what exactly-raw I/O gets in the same run.
 
-Usage: python scripts/bench_io.py [--dir DIR] [--size-mib 1024] [--rounds 3] [--full]
+Usage: python scripts/bench/bench_io.py [--dir DIR] [--size-mib 1024] [--rounds 3] [--full]
 Writes under --dir (default ./infinity-swap/bench) and deletes its files at the end.
 """
 
@@ -108,12 +108,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
 from infinity.io import HostPool, SwapStore  # noqa: E402
 from infinity.io.engine import crc32c, key_sums, native_available  # noqa: E402
+from _common import run_json_child, write_json  # noqa: E402
 
 MiB = 1 << 20
 # Figures judged against the targets: write_over has the store take the sums,
@@ -367,16 +368,14 @@ def thp_child(root: Path, size: int) -> int:
 def run_thp_child(root: Path, size: int) -> Optional[dict]:
     """thp_child's figures, or None (with the child's error on stderr) if it failed."""
     env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1")
-    p = subprocess.run([sys.executable, __file__, "--thp-child", "--dir", str(root), "--size-mib",
-                        str(size // MiB)], env=env, capture_output=True, text=True)
-    if p.returncode != 0:
+    out, p = run_json_child(__file__, ["--thp-child", "--dir", str(root), "--size-mib", str(size // MiB)], env=env)
+    if out is None:
         print(f"[bench_io] THP child failed (rc {p.returncode}); thp case skipped:\n{p.stderr[-2000:]}",
               file=sys.stderr)
-        return None
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return out
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="./infinity-swap/bench",
                     help="scratch directory; its files are deleted at the end (default %(default)s)")
@@ -386,21 +385,12 @@ def main() -> int:
     ap.add_argument("--full", action="store_true", help="sweep block sizes 1-16 MiB and queue depths 1-32")
     ap.add_argument("--json", default=None, help="also write the JSON result to this file")
     ap.add_argument("--thp-child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    size = args.size_mib * MiB
-    root = Path(args.dir).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    if args.thp_child:
-        return thp_child(root, size)
-    have_fio = shutil.which("fio") is not None
-    have_aio = True
-    try:
-        import aiofiles  # noqa: F401
-    except ImportError:
-        have_aio = False
+    return ap.parse_args()
 
-    native = native_available()
-    if args.full:
+
+def plan_cases(native: bool, full: bool, have_fio: bool) -> tuple:
+    """(store cases, raw cases): (backend, block, queue depth, paths[, checksum]) and (tool, block, depth, jobs)."""
+    if full:
         grid = [(bs * MiB, qd) for bs in (1, 4, 8, 16) for qd in (1, 4, 8, 32)]
     else:
         grid = [(1 * MiB, 32), (4 * MiB, 16), (8 * MiB, 8), (8 * MiB, 16)]  # the last: Config's defaults
@@ -419,107 +409,114 @@ def main() -> int:
     raw_cases = [("pyraw", 8 * MiB, 8, 1), ("pyraw", 1 * MiB, 32, 1)]
     if have_fio:
         raw_cases += [("fio", 8 * MiB, 32, 1), ("fio", 4 * MiB, 16, 1), ("fio", 1 * MiB, 32, 1), ("fio", 8 * MiB, 8, 2)]
+    return store_cases, raw_cases
 
-    pool = HostPool(size + 4096)
-    pool_buf = pool.acquire(size).tensor
-    pool_buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
-    pool_mem = memoryview(pool_buf.numpy())  # the raw thread pool's buffers too: [Note: warm memory]
-    plain = torch.empty(size, dtype=torch.uint8)
-    plain.fill_(1)  # fault the pages in: measure the copy, not first touch
-    data = bytes(pool_buf[:8 * MiB].numpy())
 
-    samples: dict = {}
-    ds = ds_aio_handle()
-    ds_bufs = {}
-    if ds is not None:
-        ds_bufs["locked"] = ds.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
-        ds_bufs["plain"] = torch.empty(size, dtype=torch.uint8)
-        for t in ds_bufs.values():
-            t.fill_(7)
+class Cases:
+    """The buffers every case shares, the samples the cases add, and one step
+    per case (a round runs each step once); close() frees the buffers and
+    removes the scratch directory."""
 
-    def add(case, metric, v):
-        samples.setdefault(case, {}).setdefault(metric, []).append(v)
+    def __init__(self, root: Path, size: int):
+        self.root, self.size = root, size
+        self.pool = HostPool(size + 4096)
+        self.pool_buf = self.pool.acquire(size).tensor
+        self.pool_buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+        self.pool_mem = memoryview(self.pool_buf.numpy())  # the raw thread pool's buffers too: [Note: warm memory]
+        self.plain = torch.empty(size, dtype=torch.uint8)
+        self.plain.fill_(1)  # fault the pages in: measure the copy, not first touch
+        self.data = bytes(self.pool_buf[:8 * MiB].numpy())
+        self.samples: dict = {}
+        self.ds = ds_aio_handle()
+        self.ds_bufs = {}
+        if self.ds is not None:
+            self.ds_bufs["locked"] = self.ds.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+            self.ds_bufs["plain"] = torch.empty(size, dtype=torch.uint8)
+            for t in self.ds_bufs.values():
+                t.fill_(7)
+        self.thp_skip = False  # or the child failed: skip the case from then on
 
-    def raw_step(raw_name, bs, qd, jobs, label="raw"):
-        raw_fn = fio_run if raw_name == "fio" else functools.partial(pyraw_run, mem=pool_mem)
+    def add(self, case, metric, v):
+        self.samples.setdefault(case, {}).setdefault(metric, []).append(v)
+
+    def raw_step(self, raw_name, bs, qd, jobs, label="raw"):
+        raw_fn = fio_run if raw_name == "fio" else functools.partial(pyraw_run, mem=self.pool_mem)
         case = f"{label}/{raw_name}-bs{bs // MiB}M-qd{qd}" + (f"-jobs{jobs}" if jobs > 1 else "")
+        size = self.size
 
         def run(rnd):
-            f = str(root / "raw.bin")
+            f = str(self.root / "raw.bin")
             if os.path.exists(f):
                 os.unlink(f)
-            add(case, "write_fresh", raw_fn(f, "write", size, bs, qd, jobs))
-            add(case, "write_over", raw_fn(f, "write", size, bs, qd, jobs))
-            add(case, "read", raw_fn(f, "read", size, bs, qd, jobs))
+            self.add(case, "write_fresh", raw_fn(f, "write", size, bs, qd, jobs))
+            self.add(case, "write_over", raw_fn(f, "write", size, bs, qd, jobs))
+            self.add(case, "read", raw_fn(f, "read", size, bs, qd, jobs))
             os.unlink(f)
         return run
 
-    def store_step(backend, bs, qd, npaths, checksum=True):
+    def store_step(self, backend, bs, qd, npaths, checksum=True):
         def run(rnd):
-            dirs = [str(root / f"p{i}") for i in range(npaths)]
-            r = store_run(dirs, backend, bs, qd, size, pool_buf, plain, checksum)
+            dirs = [str(self.root / f"p{i}") for i in range(npaths)]
+            r = store_run(dirs, backend, bs, qd, self.size, self.pool_buf, self.plain, checksum)
             case = f"store/{r.pop('backend')}-bs{bs // MiB}M-qd{qd}-paths{npaths}" + ("" if checksum else "-nosum")
             for k, v in r.items():
-                add(case, k, v)
+                self.add(case, k, v)
             for d in dirs:
                 shutil.rmtree(d, ignore_errors=True)
         return run
 
-    thp_skip = False  # or the child failed: skip the case from then on
-
-    def thp_step(rnd):
-        nonlocal thp_skip
-        if thp_skip:
+    def thp_step(self, rnd):
+        if self.thp_skip:
             return
-        r = run_thp_child(root / "thp", size)
+        r = run_thp_child(self.root / "thp", self.size)
         if r is None:
-            thp_skip = True
+            self.thp_skip = True
         elif not r.pop("plain_aligned"):
             # This torch's allocator ignored the variable: the case would repeat 'plain'.
-            thp_skip = True
+            self.thp_skip = True
             print("[bench_io] THP_MEM_ALLOC_ENABLE=1 did not give page-aligned tensors; "
                   "thp case skipped", file=sys.stderr)
         else:
             case = f"store/{r.pop('backend')}-bs8M-qd16-paths1-thp"
             for k, v in r.items():
-                add(case, k, v)
+                self.add(case, k, v)
 
-    def ds_step(rnd):
+    def ds_step(self, rnd):
         for locked in (True, False):
-            r = ds_aio_run(ds, str(root / "ds.bin"), size, ds_bufs["locked" if locked else "plain"])
+            r = ds_aio_run(self.ds, str(self.root / "ds.bin"), self.size, self.ds_bufs["locked" if locked else "plain"])
             for k, v in r.items():
-                add(f"deepspeed-aio/bs1M-qd32-t2-{'locked' if locked else 'plain'}", k, v)
+                self.add(f"deepspeed-aio/bs1M-qd32-t2-{'locked' if locked else 'plain'}", k, v)
 
-    def aiofiles_step(rnd):
-        f = str(root / "aio.bin")
-        w, rd = aiofiles_run(f, data, size, 8 * MiB)
-        add("aiofiles/bs8M-fsync", "write_over" if rnd else "write_fresh", w)
-        add("aiofiles/bs8M-fsync", "read", rd)
+    def aiofiles_step(self, rnd):
+        f = str(self.root / "aio.bin")
+        w, rd = aiofiles_run(f, self.data, self.size, 8 * MiB)
+        self.add("aiofiles/bs8M-fsync", "write_over" if rnd else "write_fresh", w)
+        self.add("aiofiles/bs8M-fsync", "read", rd)
 
-    # One round runs every case once, in its own order ([Note: shuffled order]).
-    steps = [raw_step(*c) for c in raw_cases] + [store_step(*c) for c in store_cases]
-    steps.append(raw_step(*raw_cases[0], label="repeat"))  # [Note: the noise floor]
-    if native:
-        steps.append(thp_step)
-    if ds is not None:
-        steps.append(ds_step)
-    if have_aio:
-        steps.append(aiofiles_step)
+    def close(self):
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.pool.close()
+        if "locked" in self.ds_bufs:
+            self.ds.free_cpu_locked_tensor(self.ds_bufs.pop("locked"))
 
+
+def run_rounds(cases: Cases, steps: list, rounds: int) -> float:
+    """Runs ``rounds`` rounds of ``steps``, then closes ``cases``; returns the start time."""
     t0 = time.time()
     try:
-        for rnd in range(args.rounds):
+        for rnd in range(rounds):
             order = list(steps)
             random.Random(rnd).shuffle(order)
             for step in order:
                 step(rnd)
-            print(f"[bench_io] round {rnd + 1}/{args.rounds} done ({time.time() - t0:.0f} s)", file=sys.stderr)
+            print(f"[bench_io] round {rnd + 1}/{rounds} done ({time.time() - t0:.0f} s)", file=sys.stderr)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
-        pool.close()
-        if "locked" in ds_bufs:
-            ds.free_cpu_locked_tensor(ds_bufs.pop("locked"))
+        cases.close()
+    return t0
 
+
+def summarize(samples: dict) -> tuple:
+    """(medians, best raw figure per metric, ratios to it, paired ratios on the same extents)."""
     med = {c: {m: statistics.median(v) for m, v in ms.items()} for c, ms in samples.items()}
     best_raw = {}
     for c, ms in med.items():
@@ -539,9 +536,12 @@ def main() -> int:
             a, b = ms.get(f"{m}_same"), ms.get(f"raw_same_{m}")
             if a and b:
                 paired.setdefault(c, {})[m] = round(statistics.median(x / y for x, y in zip(a, b)), 3)
+    return med, best_raw, ratios, paired
 
+
+def print_throughput(med: dict, ratios: dict, paired: dict, rounds: int, size: int) -> None:
     metrics = ["write_fresh", "write_over", "write_over_sums", "read", "read_plain", "write_plain"]
-    print(f"\nSequential throughput, GB/s (median of {args.rounds}; {size // MiB} MiB per transfer; "
+    print(f"\nSequential throughput, GB/s (median of {rounds}; {size // MiB} MiB per transfer; "
           f"ratio to the best raw figure in brackets)")
     print(f"{'case':42s}" + "".join(f"{m:>18s}" for m in metrics))
     for c in med:
@@ -559,6 +559,10 @@ def main() -> int:
           "store / raw, median of per-round ratios")
     for c, ms in paired.items():
         print(f"{c:42s}" + "".join(f"{m:>13s} {v:.2f}" for m, v in ms.items()))
+
+
+def deepspeed_ratios(med: dict) -> dict:
+    """Each store case / DeepSpeed AIO in the same run, printed where measured."""
     vs_ds = {}
     for c, ms in med.items():
         if c.startswith("store/"):
@@ -574,11 +578,16 @@ def main() -> int:
               "tensors, plain tensors against plain tensors)")
         for c, ms in vs_ds.items():
             print(f"{c:42s}" + "".join(f"{m:>12s} {v:.2f}" for m, v in ms.items()))
-    # The targets, judged on the store as the engine configures it (Config's
-    # defaults: io_uring, 8 MiB blocks, queue depth 16, one path): the issue's
-    # (against the best raw figure and DeepSpeed's AIO), then stricter checks
-    # of our own (against raw O_DIRECT on the same extents, just before).
-    default = "store/io_uring-bs8M-qd16-paths1"
+    return vs_ds
+
+
+def judge(ratios: dict, vs_ds: dict, paired: dict, default: str) -> tuple:
+    """(targets, checks, the noise-floor case or None), printed.
+
+    The targets, judged on the store as the engine configures it (Config's
+    defaults: io_uring, 8 MiB blocks, queue depth 16, one path): the issue's
+    (against the best raw figure and DeepSpeed's AIO), then stricter checks
+    of our own (against raw O_DIRECT on the same extents, just before)."""
     rep = next((c for c in ratios if c.startswith("repeat/")), None)  # [Note: the noise floor]
     verdict, extra = {}, {}
     if default in ratios:
@@ -601,6 +610,43 @@ def main() -> int:
         if rep:
             print(f"  noise floor ({rep[7:]} measured again in each round, / best raw): "
                   + ", ".join(f"{m} {v:.2f}" for m, v in ratios[rep].items()))
+    return verdict, extra, rep
+
+
+def main() -> int:
+    args = parse_args()
+    size = args.size_mib * MiB
+    root = Path(args.dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    if args.thp_child:
+        return thp_child(root, size)
+    have_fio = shutil.which("fio") is not None
+    have_aio = True
+    try:
+        import aiofiles  # noqa: F401
+    except ImportError:
+        have_aio = False
+
+    native = native_available()
+    store_cases, raw_cases = plan_cases(native, args.full, have_fio)
+    cases = Cases(root, size)
+    # One round runs every case once, in its own order ([Note: shuffled order]).
+    steps = [cases.raw_step(*c) for c in raw_cases] + [cases.store_step(*c) for c in store_cases]
+    steps.append(cases.raw_step(*raw_cases[0], label="repeat"))  # [Note: the noise floor]
+    if native:
+        steps.append(cases.thp_step)
+    if cases.ds is not None:
+        steps.append(cases.ds_step)
+    if have_aio:
+        steps.append(cases.aiofiles_step)
+    t0 = run_rounds(cases, steps, args.rounds)
+
+    samples = cases.samples
+    med, best_raw, ratios, paired = summarize(samples)
+    print_throughput(med, ratios, paired, args.rounds, size)
+    vs_ds = deepspeed_ratios(med)
+    default = "store/io_uring-bs8M-qd16-paths1"
+    verdict, extra, rep = judge(ratios, vs_ds, paired, default)
     price = checksum_price(med, default)
     out = {"targets": verdict, "checks": extra, "noise_floor": ratios.get(rep), "ratio_to_deepspeed_aio": vs_ds,
            "checksum_price": price,
@@ -610,8 +656,7 @@ def main() -> int:
            "seconds": round(time.time() - t0, 1)}
     print(json.dumps(out, indent=1, sort_keys=True))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1, sort_keys=True))
+        write_json(args.json, out, sort_keys=True)
     return 0
 
 

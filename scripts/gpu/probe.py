@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The machine, the pinned pool and the copy bandwidths (stage 0 of scripts/gpu_check.sh).
+"""The machine, the pinned pool and the copy bandwidths (stage 0 of scripts/gpu/check.sh).
 
 Reports torch, CUDA and driver versions; whether ``infinity.io.HostPool(size,
 pin="auto")`` is pinned; whether, after closing it, a second pool of the same
@@ -12,7 +12,7 @@ Exit 1 on CUDA when: CUDA is not available, a pool is not pinned, or a kernel
 launch after the re-registration fails. On the CPU (--device cpu) every step
 runs with a small pool and host copies, and nothing is required of pinning.
 
-Usage: python scripts/gpu_probe.py [--device cuda] [--pool-mib 1024] [--json probe.json]
+Usage: python scripts/gpu/probe.py [--device cuda] [--pool-mib 1024] [--json probe.json]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from infinity.io import HostPool  # noqa: E402
 
 

@@ -26,14 +26,13 @@ allocator's peaks and retries and the pinned host bytes. Step times end with a
 device synchronize. --profile PATH writes a torch.profiler trace of one
 offloaded step (gzipped Chrome trace, dropped if over 16 MiB).
 
-Usage: python scripts/bench_train.py [--layers 12 --embd 512 --steps 6 --budget-frac 0.33]
+Usage: python scripts/bench/bench_train.py [--layers 12 --embd 512 --steps 6 --budget-frac 0.33]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -41,11 +40,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import infinity  # noqa: E402
 from infinity.cli.estimate import estimate  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
 from infinity.cli.perf import copy_bandwidth, disk_bandwidth, optimizer_time  # noqa: E402
+from _common import write_json  # noqa: E402
 
 
 def make_model(args) -> GPT:
@@ -415,9 +415,7 @@ def main() -> int:
               f"{'PASS' if res['overlap_efficiency'] >= 0.85 else 'FAIL'} ({res['overlap_efficiency']:.3f}); "
               f"overhead ratio against in-memory {res['overhead_ratio']:.3f}")
     infinity.api.close(model_ref[0]) if model_ref else None
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    out = write_json(args.json, res)
     print(f"JSON: {out}")
     return 0
 

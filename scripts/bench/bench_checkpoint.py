@@ -20,7 +20,7 @@ while it reads); >= 2x torch.save and DCP; peak RSS growth <= host_memory + stag
 step-time cost of a background save (``blocking=False``): a few steps timed
 alone and beside one, against the blocking save's time.
 
-Usage: python scripts/bench_checkpoint.py [--layers 12 --embd 1024] [--dir ./infinity-bench-ckpt]
+Usage: python scripts/bench/bench_checkpoint.py [--layers 12 --embd 1024] [--dir ./infinity-bench-ckpt]
 """
 
 from __future__ import annotations
@@ -37,27 +37,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import infinity  # noqa: E402
 from infinity.api import engine_of  # noqa: E402
 from infinity.checkpoint import layout  # noqa: E402
 from infinity.checkpoint.plan import plan_checkpoint  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
+from _common import reset_peak, rss_bytes  # noqa: E402
 
 BLOCK, DEPTH = 8 << 20, 8
-
-
-def rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
-
-
-def reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
 
 
 def drop_cache(folder: str) -> None:
@@ -149,10 +137,10 @@ def background_cost(m, o, ck: str, steps: int) -> dict:
 
 def timed(fn):
     reset_peak()
-    base = rss("VmRSS")
+    base = rss_bytes("VmRSS")
     t = time.perf_counter()
     out = fn()
-    return out, time.perf_counter() - t, rss("VmHWM") - base
+    return out, time.perf_counter() - t, rss_bytes("VmHWM") - base
 
 
 def bench_placement(args, placement: str, root: str) -> dict:

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""ZeRO stages over data-parallel ranks: per-rank memory, step time and bytes
+communicated against theory, in one run.
+
+Launch with torchrun (gloo on CPUs, NCCL on GPUs):
+    torchrun --nproc-per-node 2 scripts/bench/bench_zero.py [--device cpu] [--layers 24 --embd 192]
+
+For each stage (0 = plain data parallelism, 1, 2, 3) it trains the same GPT-style
+model with host offload for a few steps and reports, from infinity.stats on
+every rank: the persistent bytes of fp32 master, moments and gradients (the
+theoretical ZeRO share is 1/N of them for the sharded kinds), the median step
+time, and the bytes communicated per step against theory: 2 x psi for every stage
+(stage 0: an all-reduce, counted as reduce-scatter + all-gather; stages 1-2:
+reduce-scatter of the gradients + all-gather of the parameters), 3 x psi for
+stage 3 (parameters gathered for forward and for backward), psi being the
+model's fp32 parameter bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import infinity  # noqa: E402
+from infinity.models import GPT, GPTConfig  # noqa: E402
+from _common import write_json  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (gloo) or cuda (NCCL; each rank takes LOCAL_RANK) (default cpu)")
+    # Deep and narrow: at the smallest device budget the few units kept at the
+    # turn of forward to backward are a small part of the model, as in real ones.
+    ap.add_argument("--layers", type=int, default=24, help="GPT blocks (default 24)")
+    ap.add_argument("--embd", type=int, default=192, help="embedding width, a multiple of 6 (heads) (default 192)")
+    ap.add_argument("--seq", type=int, default=128, help="sequence length, tokens (default 128)")
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default 2)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="timed optimizer steps per stage, after one warm-up (default 5)")
+    ap.add_argument("--device-memory", default=None,
+                    help="device budget per rank, a size (default: all fits; small: stage 3 gathers again for backward)")
+    ap.add_argument("--json", default="bench-results/bench_zero.json",
+                    help="where rank 0 writes every rank's rows as JSON (default %(default)s)")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    cuda = args.device.startswith("cuda")
+    if cuda:  # before anything touches CUDA (docs/distributed.md)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # NCCL for device tensors; infinity adds a gloo group for its host tensors.
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    rows = []
+    minimum = None
+    # Stage 3 runs twice: with the budget given (units the budget can keep
+    # stay on the device from forward to backward and are not gathered again)
+    # and at the smallest budget, where every unit but the few at the turn
+    # of forward to backward is gathered twice: the 3 psi of theory.
+    for stage, budget in ((0, args.device_memory), (1, args.device_memory), (2, args.device_memory),
+                          (3, args.device_memory), (3, "minimum")):
+        row, minimum = run_stage(args, stage, budget, minimum, rank)
+        rows.append(row)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, rows)
+    if rank == 0:
+        report(everyone, rows, world)
+        write_json(args.json, everyone)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_stage(args, stage: int, budget, minimum, rank: int) -> tuple:
+    """One ZeRO stage at one device budget on this rank: (its row, the smallest
+    device budget, found at the first stage-3 run)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=4096, block_size=args.seq, n_layer=args.layers, n_head=6, n_embd=args.embd))
+    n = sum(p.numel() for p in model.parameters())
+    cfg = infinity.Config(device=args.device, dtype="fp32", host_memory="8GiB", zero_stage=stage,
+                          device_memory=minimum if budget == "minimum" else budget,
+                          offload_params="host", offload_optimizer="host", overlap="step")
+    model, opt = infinity.initialize(model, cfg, lr=1e-4)
+    if stage == 3 and minimum is None:
+        minimum = infinity.api.engine_of(model).budget.minimum()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 4096, (args.batch, args.seq), generator=gen).to(infinity.api.engine_of(model).device)
+    times = []
+    for i in range(args.steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+        if i:
+            times.append(time.perf_counter() - t0)
+    s = infinity.stats(model)
+    comm = {k: v for k, v in s["step_bytes_moved"].items() if k in ("all_reduce", "reduce_scatter", "all_gather")}
+    psi = 4 * n
+    theory = {0: 2 * psi, 1: 2 * psi, 2: 2 * psi, 3: 3 * psi}[stage]
+    state = s["state_bytes"]
+    share = {k: v / (4 * n) for k, v in state.items()}
+    row = {"stage": stage, "budget": "minimum" if budget == "minimum" else budget, "rank": rank, "params": n, "step_s": statistics.median(times),
+           "state_bytes": state, "state_share": share, "comm_bytes_per_step": sum(comm.values()),
+           "comm_theory": theory, "comm_ratio": sum(comm.values()) / theory, "comm": comm,
+           "peak_bytes": s["peak_bytes"]}
+    infinity.close(model)
+    return row, minimum
+
+
+def report(everyone: list, rows: list, world: int) -> None:
+    """Rank 0: every rank's rows, then the targets."""
+    print(f"{world} ranks, {dist.get_backend()}, {rows[0]['params'] / 1e6:.1f} M params (psi = {4 * rows[0]['params'] / 2**20:.0f} MiB fp32)")
+    print(f"{'stage':>5} {'rank':>4} {'step s':>7} {'master':>7} {'moments':>8} {'grads':>6} {'comm/step':>10} {'x theory':>8} {'host peak MiB':>13}")
+    for rr in everyone:
+        for r in rr:
+            sh = r["state_share"]
+            tag = "3min" if r["budget"] == "minimum" else str(r["stage"])
+            print(f"{tag:>5s} {r['rank']:4d} {r['step_s']:7.3f} {sh['master']:7.3f} "
+                  f"{(sh['exp_avg'] + sh['exp_avg_sq']) / 2:8.3f} {sh['grad']:6.3f} "
+                  f"{r['comm_bytes_per_step'] / 2**20:9.1f}M {r['comm_ratio']:8.3f} "
+                  f"{r['peak_bytes']['host'] / 2**20:13.1f}")
+    r0 = {r["stage"]: r for r in everyone[0] if r["budget"] != "minimum"}
+    r3min = [r for r in everyone[0] if r["budget"] == "minimum"][0]
+    ok_mem = all(abs(r0[st]["state_share"][k] * world - 1) <= 0.05 for st in (1, 2, 3)
+                 for k in ("master", "exp_avg", "exp_avg_sq")) and \
+        all(abs(r0[st]["state_share"]["grad"] * world - 1) <= 0.05 for st in (2, 3))
+    ok_comm = all(abs(r0[st]["comm_ratio"] - 1) <= 0.10 for st in (0, 1, 2))
+    ok3 = abs(r3min["comm_ratio"] - 1) <= 0.10
+    ratio3 = r0[3]["step_s"] / r0[0]["step_s"]
+    print(f"\nTargets: per-rank sharded state within 5% of 1/N: {'PASS' if ok_mem else 'FAIL'}; "
+          f"communicated bytes within 10% of theory: stages 0-2 {'PASS' if ok_comm else 'FAIL'}, "
+          f"stage 3 at the smallest device budget {r3min['comm_ratio']:.3f} x 3 psi "
+          f"{'PASS' if ok3 else 'FAIL'} (with the budget given: {r0[3]['comm_ratio']:.3f} x 3 psi; units "
+          f"kept on the device from forward to backward are not gathered again); stage 3 / stage 0 step "
+          f"time {ratio3:.3f} (<= 1.3: {'PASS' if ratio3 <= 1.3 else 'FAIL'})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
