@@ -1,4 +1,4 @@
-"""Worker of tests/test_checkpoint_zero.py: one phase of a checkpointed run on
+"""Worker of tests/checkpoint/test_checkpoint_zero.py: one phase of a checkpointed run on
 ``world`` gloo ranks (spawned by torch.multiprocessing)."""
 
 import os

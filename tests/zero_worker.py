@@ -1,4 +1,4 @@
-"""Worker of tests/test_zero.py: trains through infinity with ZeRO on one rank
+"""Worker of tests/engine/test_zero.py: trains through infinity with ZeRO on one rank
 of a gloo group and writes what the test compares (rank 0)."""
 
 import os

@@ -3,7 +3,7 @@ placement, and the budget arithmetic of the device, host and NVMe tiers.
 
 Pure: nothing here allocates or moves bytes. The owners (residency,
 host_cache, grads, optstate) read the decisions; the figures are checked
-against hand computations in tests/test_engine_placement.py.
+against hand computations in tests/engine/test_engine_placement.py.
 
 [Note: host budget]
 The host tier holds, for good, the homes of host-resident state: compute
