@@ -122,19 +122,35 @@ def unit_bytes(model: GPT, dtype_bytes: int = 4) -> int:
     return max(sum(p.numel() for p in blk.parameters()) for blk in model.blocks) * dtype_bytes
 
 
-def assert_params_close(actual: dict, expected: dict, rtol: float = 1e-5, global_scale: bool = False) -> None:
+def assert_params_close(actual: dict, expected: dict, rtol: float = 1e-5, global_scale: bool = False,
+                        lr_steps: Optional[float] = None) -> None:
     """max |a - e| <= rtol x scale + 1e-7 per tensor; the scale is the tensor's
     max |e|, or with ``global_scale`` the model's (for data-parallel runs,
     whose gradient sums differ from the single-process ones in rounding,
-    which Adam amplifies in near-zero-gradient elements)."""
+    which Adam amplifies in near-zero-gradient elements).
+
+    ``lr_steps`` (the learning rate times the steps taken) admits those
+    ill-conditioned elements by name rather than by a looser bound for all:
+    an element whose true gradient is about zero can move by up to lr a step
+    on rounding noise alone, so at most 0.1% of a tensor's elements (at least
+    one) may exceed the bound, each by no more than ``lr_steps``. A real
+    fault (a missed or doubled update, a wrong scale) moves far more
+    elements than that."""
     assert set(actual) == set(expected), set(actual) ^ set(expected)
     model_scale = max(e.abs().max().item() for e in expected.values())
     for k, e in expected.items():
         a = actual[k]
         assert a.shape == e.shape, (k, a.shape, e.shape)
         scale = model_scale if global_scale else e.abs().max().item()
-        diff = (a.float() - e.float()).abs().max().item()
-        assert diff <= rtol * scale + 1e-7, f"{k}: max abs diff {diff:.3e} > {rtol} x scale {scale:.3e}"
+        d = (a.float() - e.float()).abs()
+        diff = d.max().item()
+        bound = rtol * scale + 1e-7
+        if lr_steps is not None and diff > bound:
+            out = int((d > bound).sum())
+            assert out <= max(1, d.numel() // 1000) and diff <= lr_steps, \
+                f"{k}: {out} of {d.numel()} elements beyond {bound:.3e}, the largest {diff:.3e} (lr x steps {lr_steps})"
+            continue
+        assert diff <= bound, f"{k}: max abs diff {diff:.3e} > {rtol} x scale {scale:.3e}"
 
 
 def train_steps(model: torch.nn.Module, opt, n: int, seed: int = 0) -> List[float]:
