@@ -204,8 +204,8 @@ def _load_small_state(m: dict, eng, optimizer, lr_scheduler) -> None:
                 g[k] = tuple(v) if k == "betas" else v
     scaler = m.get("loss_scaler") or {}
     if "loss_scale" in scaler:
-        optimizer.loss_scale = float(scaler["loss_scale"])
-        optimizer._good_steps = int(scaler.get("good_steps", 0))
+        optimizer.scaling.loss_scale = float(scaler["loss_scale"])
+        optimizer.scaling.good_steps = int(scaler.get("good_steps", 0))
     if lr_scheduler is not None:
         if m.get("lr_scheduler") is None:
             raise ValueError("load_checkpoint: an lr_scheduler was given but the checkpoint holds no scheduler state")

@@ -296,7 +296,7 @@ def _manifest_head(eng, optimizer, plan: Plan, lr_scheduler, extra, step: int, e
         "world_size": eng.sharding.world, "zero_stage": eng.modes.zero, "config": eng.config.to_dict(),
         "exclude_frozen": exclude_frozen, "aliases": plan.aliases, "param_steps": plan.param_steps(),
         "param_groups": plan.param_groups(optimizer), "lr_scheduler": sched, "extra": extra,
-        "loss_scaler": {"loss_scale": optimizer.loss_scale, "good_steps": optimizer._good_steps},
+        "loss_scaler": {"loss_scale": optimizer.scaling.loss_scale, "good_steps": optimizer.scaling.good_steps},
         "torch_version": torch.__version__,
     }
 

@@ -116,12 +116,12 @@ def test_resume_is_bit_exact_with_dtypes_schedules_accumulation_clipping(tmp_pat
 def test_fp16_loss_scaler_state_is_restored(tmp_path):
     m, o, _ = make(tmp_path, "a", "host", "host", dtype="fp16")
     train(m, o, None, data(2))
-    o.loss_scale, o._good_steps = 1024.0, 7
+    o.loss_scale, o.scaling.good_steps = 1024.0, 7
     infinity.save_checkpoint(tmp_path / "ck", m, o)
     infinity.close(m)
     m, o, _ = make(tmp_path, "b", "host", "host", dtype="fp16")
     infinity.load_checkpoint(tmp_path / "ck", m, o)
-    assert (o.loss_scale, o._good_steps) == (1024.0, 7)
+    assert (o.loss_scale, o.scaling.good_steps) == (1024.0, 7)
     infinity.close(m)
 
 

@@ -253,6 +253,29 @@ class Gradients:
             rec.grad = rec.buf = None
             rec.home = transition(u.name, "grad home", rec.home, GradHome.SPILLED)
 
+    def sum_of_squares(self, units_grads, runs) -> float:
+        """The squared L2 norm (float, in the gradients' units squared) of
+        this rank's gradients of ``units_grads`` ((unit, grad buffer or None,
+        written flags) per unit), read once. ``runs(u, written, grad)`` gives
+        the (start, end) index ranges of ``grad`` that count: the slots that
+        got gradients, cut to this rank's shard. Spilled gradients are read
+        back for it and dropped again."""
+        parts = []  # per unit, float64, where the gradients live
+        for u, grad, written in units_grads:
+            if grad is None and self.modes.opt_nvme:
+                self.load(u)  # spilled: read back for the norm (and dropped again)
+                grad = u.grads.grad
+            if grad is None:
+                continue
+            ranges = runs(u, written, grad)
+            if ranges:
+                norms = torch._foreach_norm([grad[a:b] for a, b in ranges], 2, dtype=torch.float32)
+                parts.append(torch.stack(norms).double().square().sum())
+            if self.modes.opt_nvme:
+                self.drop_loaded(u)
+        # One read of the result: on CUDA each float() would be a sync.
+        return float(torch.stack(parts).sum()) if parts else 0.0
+
     def claim(self, u) -> None:
         """An update during backward takes ``u``'s host buffer (it releases it)."""
         rec = u.grads

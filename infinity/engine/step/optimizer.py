@@ -2,18 +2,16 @@
 
 A ``torch.optim.Optimizer`` whose ``param_groups`` hold the model's
 parameters (so torch LR schedulers work) but whose state lives in the
-units' flat fp32 buffers. The façade keeps the loss scale and the step's
-global gradient scale (unscaling, clipping, the fp16 overflow check); when
+units' flat fp32 buffers. The loss scale and the step's gradient scale
+(unscaling, clipping, the fp16 overflow check) are scaling.py's; when
 updates run is the schedule's ([Note: when the optimizer runs] in
 schedule.py), one unit's update is update.py's.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import warnings
-from typing import List, Optional, Tuple
+from typing import List
 
 import torch
 # torch.optim.Optimizer imports torch._dynamo on first use. Imported after
@@ -25,12 +23,11 @@ import torch._dynamo  # noqa: F401,E402
 
 from ...optim.functional import check_hyperparameters
 from ..faults import UsageError
+from .scaling import Scaling
 from .schedule import make_schedule
-from .update import Updater, written_runs
+from .update import Updater
 
 __all__ = ["InfinityOptimizer"]
-
-log = logging.getLogger("infinity")
 
 
 class InfinityOptimizer(torch.optim.Optimizer):
@@ -52,18 +49,26 @@ class InfinityOptimizer(torch.optim.Optimizer):
         self._built = True
         self._scaled = self._warned_unscaled = False
         cfg = engine.config
-        self.max_grad_norm = cfg.max_grad_norm
-        self.fp16 = cfg.dtype == "fp16"
-        self.loss_scale = float(cfg.initial_loss_scale if cfg.loss_scale == "dynamic" else cfg.loss_scale) \
-            if self.fp16 else 1.0
-        self._dynamic = self.fp16 and cfg.loss_scale == "dynamic"
-        self._good_steps = 0
-        self.last_grad_norm: Optional[float] = None
         chunk = engine.nvme.sum_chunk_bytes if engine.modes.opt_nvme else None
         self.updater = Updater(engine.modes, engine.sharding, self.param_groups, engine.stats, chunk,
                                cfg.num_threads, engine.values_changed)
+        self.scaling = Scaling(cfg, engine.sharding, engine.gradients, self.updater.counted_runs, engine.stats)
         self.schedule = make_schedule(engine, self.updater, cfg.overlap, cfg.grad_accumulation_steps,
-                                      early_ok=self.max_grad_norm is None and not self.fp16)
+                                      early_ok=not self.scaling.waits_for_step)
+
+    # The scaling's figures, where torch users and checkpoints look for them.
+    fp16 = property(lambda self: self.scaling.fp16)
+    last_grad_norm = property(lambda self: self.scaling.last_grad_norm,
+                              doc="The global gradient norm of the last step (unscaled), or None.")
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1 unless dtype is fp16; see [Note: the step's gradient scale])."""
+        return self.scaling.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.scaling.loss_scale = float(value)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (1 unless dtype is fp16)."""
@@ -111,7 +116,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         with eng.faults.guard("optimizer.step()"):
             if eng.in_pass and eng.pass_grad:
                 eng.end_pass()  # step() without a finished backward: release the pass
-            self.schedule.step(self)
+            self.schedule.step(self.scaling)
         eng.gradients.open_window(stepped=had_grads)
         eng.after_step()
         eng.stats.end_step_window()
@@ -124,64 +129,6 @@ class InfinityOptimizer(torch.optim.Optimizer):
                           "underflow to 0, and each step is unscaled by the loss scale. Call "
                           "optimizer.scale_loss(loss).backward()", RuntimeWarning, stacklevel=3)
         self._scaled = False
-
-    def global_scale(self, units_grads) -> Tuple[bool, float]:
-        """(skip, grad_scale): unscaling, clipping and the fp16 overflow check
-        over all gradients; ``units_grads`` lists (unit, grad buffer, written)."""
-        eng = self.engine
-        world = eng.sharding.world  # under data parallelism the gradients are sums over the ranks
-        inv = (1.0 / self.loss_scale if self.fp16 else 1.0) / world
-        if self.max_grad_norm is None and not self.fp16:
-            return False, inv
-        norm = math.sqrt(eng.sharding.sum_shards(self._sum_of_squares(units_grads))) / world
-        if not math.isfinite(norm):
-            self.last_grad_norm = norm
-            return True, inv
-        norm /= self.loss_scale if self.fp16 else 1.0
-        self.last_grad_norm = norm
-        coef = 1.0 if self.max_grad_norm is None else min(self.max_grad_norm / (norm + 1e-6), 1.0)
-        return False, inv * coef
-
-    def _sum_of_squares(self, units_grads) -> float:
-        """The squared L2 norm of the gradients (this rank's shards), read once."""
-        eng, parts = self.engine, []  # per unit, float64, where the gradients live
-        for u, grad, written in units_grads:
-            if grad is None and eng.modes.opt_nvme:
-                eng.gradients.load(u)  # spilled: read back for the norm (and dropped again)
-                grad = u.grads.grad
-            if grad is None:
-                continue
-            runs = [ab for ab in (self.updater.local(u, a, b, grad) for a, b in written_runs(u, written))
-                    if ab is not None]
-            if runs:
-                norms = torch._foreach_norm([grad[a:b] for a, b in runs], 2, dtype=torch.float32)
-                parts.append(torch.stack(norms).double().square().sum())
-            if eng.modes.opt_nvme:
-                eng.gradients.drop_loaded(u)
-        # One read of the result: on CUDA each float() would be a sync.
-        return float(torch.stack(parts).sum()) if parts else 0.0
-
-    def after_overflow_check(self, skip: bool) -> None:
-        """Counts a step skipped for a non-finite gradient norm (logged, in
-        ``stats``); fp16: adjusts the dynamic scale."""
-        if skip:
-            self.engine.stats.skipped_steps += 1
-            # fp16's dynamic scale skips a few steps by design while it finds its scale.
-            level = logging.INFO if self._dynamic else logging.WARNING
-            log.log(level, "infinity: optimizer step skipped: the gradient norm is %s (%d skipped so far)%s",
-                    self.last_grad_norm, self.engine.stats.skipped_steps,
-                    f"; loss scale {self.loss_scale:g}" if self.fp16 else "")
-        if not self.fp16:
-            return
-        cfg = self.engine.config
-        if skip:
-            self._good_steps = 0
-            if self._dynamic:
-                self.loss_scale = max(self.loss_scale / 2.0, float(cfg.min_loss_scale))
-        else:
-            self._good_steps += 1
-            if self._dynamic and self._good_steps % cfg.loss_scale_growth_interval == 0:
-                self.loss_scale *= 2.0
 
     def flush(self) -> None:
         """Delayed mode: wait for the queued update and apply it now (before

@@ -134,8 +134,8 @@ class StepSchedule:
 
     def step(self, scaling) -> None:
         """Updates every unit not updated yet; returns when each new compute
-        copy is in its home tier. ``scaling`` is the optimizer's
-        (``global_scale``, ``after_overflow_check``)."""
+        copy is in its home tier. ``scaling`` gives the step's gradient scale
+        (step/scaling.py: ``global_scale``, ``after_overflow_check``)."""
         p = self.p
         t0 = time.perf_counter()
         if self._root_read is not None:

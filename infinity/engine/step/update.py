@@ -74,6 +74,12 @@ class Updater:
         a2, b2 = self.clip_to_shard(u, a, b)
         return (a2 - lo, b2 - lo) if a2 < b2 else None
 
+    def counted_runs(self, u, written: List[bool], buf: torch.Tensor) -> List[Tuple[int, int]]:
+        """The index ranges of ``buf`` (a unit's gradients, full or this rank's
+        shard) that an update reads: the runs of slots that got gradients, cut
+        to the shard. What the gradient norm sums over."""
+        return [ab for ab in (self.local(u, a, b, buf) for a, b in written_runs(u, written)) if ab is not None]
+
     # -- the update ----------------------------------------------------------------------
 
     def run(self, u, grad: torch.Tensor, written: List[bool], out: Optional[torch.Tensor], grad_scale: float,
