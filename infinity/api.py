@@ -214,7 +214,7 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     if s.optimizer_seconds > 0 and eng.config.overlap != "step":
         hidden = max(0.0, 1.0 - s.optimizer_wait_seconds / s.optimizer_seconds)
     return {
-        "peak_bytes": {"device": eng.residency.tier.peak_bytes, "host": eng.cache.tier.peak_bytes,
+        "peak_bytes": {"device": eng.residency.tier.peak_bytes, "host": eng.room.tier.peak_bytes,
                        "nvme": eng.nvme.peak_bytes if eng.nvme is not None else 0},
         "budget_bytes": {"device": eng.budget.budget, "host": eng.host_budget,
                          "nvme": eng.nvme.capacity_bytes if eng.nvme is not None else None},
@@ -236,9 +236,9 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "state_bytes": eng.state_bytes(),
         "zero_stage": eng.modes.zero,
         "world_size": eng.sharding.world,
-        "host_pinned": eng.cache.tier.pinned,
+        "host_pinned": eng.room.tier.pinned,
         "pressure_events": list(eng.pressure.events),
-        "host_cache_cap": eng.cache.cap_bytes,
+        "host_cache_cap": eng.room.cap_bytes,
     }
 
 

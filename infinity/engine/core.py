@@ -42,6 +42,7 @@ from .owners.residency import Residency
 from .owners.saved import SavedTensorRouter
 from .plan.state import DeviceState, Quiet
 from .stats import Stats
+from .mechanism.host_room import HostRoom
 from .mechanism.tiers import BudgetError, HostTier
 from .plan.trace import Trace
 from .plan.units import build_units
@@ -102,11 +103,12 @@ class Engine:
                                  queue_depth=cfg.swap_queue_depth, backend=cfg.swap_backend,
                                  checksum=cfg.swap_checksum)
             weakref.finalize(self, self.nvme.close)
-        self.cache = HostCache(self.units, modes, host_tier, self.nvme, self.trace, self.stats)
-        self.gradients = Gradients(self.units, modes, dev_tier, self.cache, self.nvme, self.mover, self.stats,
-                               self.sharding, cfg.grad_accumulation_steps, cfg.overlap)
-        self.optstate = OptimizerState(self.units, modes, self.cache, self.nvme, self.sharding)
-        self.cache.drop_read_ahead = self.optstate.drop_read_ahead
+        self.room = HostRoom(host_tier)  # See [Note: the host room]
+        self.cache = HostCache(self.units, modes, self.room, self.nvme, self.trace, self.stats)
+        self.gradients = Gradients(self.units, modes, dev_tier, self.room, self.nvme, self.mover, self.stats,
+                                   self.sharding, cfg.grad_accumulation_steps, cfg.overlap)
+        self.optstate = OptimizerState(self.units, modes, self.room, self.cache, self.nvme, self.sharding)
+        self.room.set_rungs(self.cache.evict_one, self.optstate.drop_read_ahead)
         self.residency = Residency(self.units, modes, dev_tier, self.mover, self.trace, self.stats, self.sharding,
                                    self.cache, self.budget.minimum, self.quiet)
         self.pressure = PressureMonitor(self)
@@ -146,7 +148,7 @@ class Engine:
         """The optimizer (its schedule runs the updates), the installed hooks
         and the parameters' guard (armed from now on between passes)."""
         self.optimizer, self.hooks, self.schedule = optimizer, hooks, optimizer.schedule
-        self.cache.wait_update = self.schedule.wait_one  # the ladder's fourth rung
+        self.room.set_wait_update(self.schedule.wait_one)  # the ladder's fourth rung
         self.guard = guard
         guard.arm()
 
@@ -268,9 +270,9 @@ class Engine:
         # the lock, the files or the threads (see [Note: a run is consistent or it says so]).
         problems = []
         for name, step in (("collectives", self._settle_collectives), ("copies", self.mover.synchronize),
-                           ("threads", self.mover.close), ("writes", self.cache.close),
+                           ("threads", self.mover.close), ("writes", self.room.close),
                            ("swap files", self.nvme.close if self.nvme is not None else None),
-                           ("host pool", self.cache.close_pool)):  # last: NVMe transfers use its buffers
+                           ("host pool", self.room.close_pool)):  # last: NVMe transfers use its buffers
             if step is None:
                 continue
             try:

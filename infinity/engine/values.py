@@ -89,7 +89,7 @@ class Values:
         elif home is not None:
             nxt = None
             if m.delayed:
-                nxt = p.cache.alloc(u.place.compute_numel, m.dtype)
+                nxt = p.room.alloc(u.place.compute_numel, m.dtype)
                 nxt.copy_(home)
             p.cache.set_home(u, home, nxt)
         if m.params_on_device:
@@ -107,18 +107,18 @@ class Values:
             return None
         sn, f32 = u.place.state_numel, torch.float32
         if m.opt_nvme:
-            shard = p.cache.alloc(sn, f32) if m.zero else None
-            p.gradients.set_permanent(u, p.cache.alloc(tn, f32) if m.zero == 1 else None, shard=shard)
+            shard = p.room.alloc(sn, f32) if m.zero else None
+            p.gradients.set_permanent(u, p.room.alloc(tn, f32) if m.zero == 1 else None, shard=shard)
             return torch.zeros(tn, dtype=f32)  # the own shard goes to NVMe (see _fill)
         if m.host_optimizer:
-            st = [p.cache.alloc(sn, f32) for _ in range(3)]
+            st = [p.room.alloc(sn, f32) for _ in range(3)]
             p.optstate.set_resident(u, *st)
             if m.zero:  # See [Note: ZeRO shards in infinity].
-                p.gradients.set_permanent(u, p.cache.alloc(tn, f32) if m.zero == 1 else None,
-                                      shard=p.cache.alloc(sn, f32))
+                p.gradients.set_permanent(u, p.room.alloc(tn, f32) if m.zero == 1 else None,
+                                      shard=p.room.alloc(sn, f32))
                 return torch.zeros(tn, dtype=f32)
-            p.gradients.set_permanent(u, p.cache.alloc(tn, m.grad_dtype),
-                                  p.cache.alloc(tn, m.grad_dtype) if m.delayed else None)
+            p.gradients.set_permanent(u, p.room.alloc(tn, m.grad_dtype),
+                                  p.room.alloc(tn, m.grad_dtype) if m.delayed else None)
             return st[0]
         mk = lambda: torch.zeros(tn, dtype=f32, device=m.device)  # noqa: E731
         p.optstate.set_resident(u, mk(), mk(), mk())
@@ -130,9 +130,9 @@ class Values:
         p, m = self.p, self.p.modes
         if m.compute_home_host:
             # Stage 3: this rank's shard only (see Sharding.gather_units_params).
-            return p.cache.alloc(u.place.home_numel, m.dtype), None
+            return p.room.alloc(u.place.home_numel, m.dtype), None
         if m.params_nvme:
-            return p.cache.acquire(u.place.home_numel, m.dtype, zero=True, compute=True)
+            return p.room.acquire(u.place.home_numel, m.dtype, zero=True, compute=True)
         return None, None
 
     def _fill(self, u, originals, master, home) -> None:

@@ -70,7 +70,7 @@ def _sample(samples: list, eng, job: dict) -> None:
                 swap += os.stat(os.path.join(d, f)).st_blocks * 512
             except OSError:
                 pass
-    tier = eng.cache.tier
+    tier = eng.room.tier
     pinned = (sysinfo.locked_bytes()) + (tier.pool.capacity_bytes if tier.pinned else 0)
     samples.append({"t": time.time(), "rss": sysinfo.rss_bytes(), "fds": len(os.listdir("/proc/self/fd")),
                     "threads": threading.active_count(), "swap_bytes": swap, "pinned": pinned})

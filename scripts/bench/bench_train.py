@@ -176,7 +176,7 @@ def cuda_memory(model) -> dict:
     the in-memory one included), its allocation retries, and pinned host
     bytes (the engine's pool when pinned, plus torch's pinned allocator)."""
     ms = torch.cuda.memory_stats()
-    pool = infinity.api.engine_of(model).cache.tier.pool
+    pool = infinity.api.engine_of(model).room.tier.pool
     out = {"max_memory_allocated": torch.cuda.max_memory_allocated(),
            "max_memory_reserved": torch.cuda.max_memory_reserved(),
            "num_alloc_retries": ms.get("num_alloc_retries", 0),

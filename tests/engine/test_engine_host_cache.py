@@ -1,6 +1,7 @@
-"""host_cache.py on its own: the reclaim ladder a transient host buffer
-climbs when the pool is full, in policy.HOST_ROOM_LADDER's order, the
-write-back of dirty copies, and the error when nothing is left."""
+"""host_cache.py and the shared host pool (mechanism/host_room.py) on their
+own: the reclaim ladder a transient host buffer climbs when the pool is full,
+in policy.HOST_ROOM_LADDER's order, the write-back of dirty copies, and the
+error when nothing is left."""
 
 import types
 
@@ -12,6 +13,7 @@ from infinity.engine.plan import placement as pl
 from infinity.engine.owners.host_cache import HostCache
 from infinity.engine.plan.state import CacheState
 from infinity.engine.stats import Stats
+from infinity.engine.mechanism.host_room import HostRoom
 from infinity.engine.mechanism.tiers import BudgetError, HostTier
 from infinity.engine.plan.trace import Trace
 from infinity.engine.plan.units import Layout, Unit
@@ -54,7 +56,9 @@ def make_cache(n_units=3, pages=4):
         u.dev = types.SimpleNamespace(last_used=i)
         units.append(u)
     nvme = FakeNvme()
-    cache = HostCache(units, modes, HostTier(pages * PAGE, pages * PAGE, pin=False), nvme, Trace(), Stats())
+    room = HostRoom(HostTier(pages * PAGE, pages * PAGE, pin=False))
+    cache = HostCache(units, modes, room, nvme, Trace(), Stats())
+    room.set_rungs(cache.evict_one, lambda protect: False)
     return cache, units, nvme
 
 
@@ -67,17 +71,17 @@ def fill(cache, units):
 def test_ladder_evicts_the_copy_needed_furthest_then_writes_back_dirty_ones():
     cache, units, nvme = make_cache(n_units=3, pages=3)
     fill(cache, units)
-    assert cache.tier.free_bytes == 0
+    assert cache.room.free_bytes == 0
     out = cache.open_for_update(units[0], whole=True)  # make unit 0 dirty
     out.fill_(7.0)
     cache.close_update(units[0], sums="s0")
     assert units[0].host.state is CacheState.DIRTY
     # Without a trace, LRU: unit 0 (last_used 0) goes first, written back with its sums.
-    t, buf = cache.acquire(PAGE // 4, torch.float32)
+    t, buf = cache.room.acquire(PAGE // 4, torch.float32)
     assert units[0].host.state is CacheState.NONE and units[0].host.compute is None
     key, data, crcs, _ = nvme.writes[-1]
     assert key == (0, "compute") and crcs == "s0" and torch.all(data == 7.0)
-    cache.release(buf)
+    cache.room.release(buf)
 
 
 def test_ladder_order_then_a_named_error():
@@ -86,14 +90,15 @@ def test_ladder_order_then_a_named_error():
     for u in units:  # every cached copy is being read by a transfer: none can go
         cache.reading(u, Handle(done=False))
     calls = []
-    cache.wait_update = lambda: calls.append("wait_running_update") or len(calls) == 1 and not cache.release(held)
-    cache.drop_read_ahead = lambda protect: calls.append("drop_state_read_ahead") or False
-    held_t, held = cache.acquire(PAGE // 4, torch.float32)  # the last free page
+    cache.room.set_wait_update(lambda: calls.append("wait_running_update") or len(calls) == 1
+                               and not cache.room.release(held))
+    cache.room.set_rungs(cache.evict_one, lambda protect: calls.append("drop_state_read_ahead") or False)
+    held_t, held = cache.room.acquire(PAGE // 4, torch.float32)  # the last free page
     # A full pool: nothing finished, nothing evictable; the running update frees the held page.
-    t, buf = cache.acquire(PAGE // 4, torch.float32)
+    t, buf = cache.room.acquire(PAGE // 4, torch.float32)
     assert calls == ["wait_running_update"]
     with pytest.raises(BudgetError, match=rf"host tier: {PAGE} bytes needed, 0 of {3 * PAGE} free"):
-        cache.acquire(PAGE // 4, torch.float32)
+        cache.room.acquire(PAGE // 4, torch.float32)
     assert calls == ["wait_running_update", "wait_running_update", "drop_state_read_ahead"]
     assert [r for r in policy_ladder()] == ["release_finished_writes", "evict_cached_copy", "wait_oldest_write",
                                             "wait_running_update", "drop_state_read_ahead"]
@@ -114,9 +119,36 @@ def test_a_write_back_in_flight_is_waited_for_before_its_buffer_is_reused():
     assert cache.evict_one(None, wait=False) > 0  # unit 1 (dirty): written back, buffer deferred
     assert units[1].host.state is CacheState.WRITING_BACK
     handle = nvme.writes[-1][3]
-    t, buf = cache.acquire(PAGE // 4, torch.float32)  # page of unit 0
-    t2, buf2 = cache.acquire(PAGE // 4, torch.float32)  # needs the deferred page: waits for the write
+    t, buf = cache.room.acquire(PAGE // 4, torch.float32)  # page of unit 0
+    t2, buf2 = cache.room.acquire(PAGE // 4, torch.float32)  # needs the deferred page: waits for the write
     assert handle.waited
     # A new read of unit 1 sees the written-back bytes: the write is settled first.
-    cache.release(buf)
+    cache.room.release(buf)
     assert cache.load(units[1]) is not None and units[1].host.state is CacheState.CLEAN
+
+
+def test_the_optimizers_own_job_never_waits_for_an_update():
+    """On the host job's thread (whatever its name) the ladder skips the
+    wait for an update in flight: that update may be the job itself."""
+    from infinity.engine.mechanism.mover import make_mover, on_host_job
+    cache, units, nvme = make_cache(n_units=1, pages=1)
+    calls = []
+    cache.room.set_wait_update(lambda: calls.append("wait") or False)
+    held = cache.room.acquire(PAGE // 4, torch.float32)[1]  # the only page
+    mover = make_mover(torch.device("cpu"))
+    try:
+        seen = []
+
+        def job():
+            seen.append(on_host_job())
+            with pytest.raises(BudgetError):
+                cache.room.acquire(PAGE // 4, torch.float32)
+
+        mover.host_job(job).wait()
+        assert seen == [True] and calls == [] and not on_host_job()
+        with pytest.raises(BudgetError):
+            cache.room.acquire(PAGE // 4, torch.float32)  # any other thread may wait for one
+        assert calls == ["wait"]
+    finally:
+        mover.close()
+        cache.room.release(held)

@@ -180,20 +180,20 @@ def test_nvme_read_ahead_optimizer_state_gives_way(tmp_path):
         root, other = eng.units[0], eng.units[1]
         assert eng.optstate.read_ahead(root) and root.opt.state is OptState.READING_AHEAD
         held = []
-        with eng.cache.lock:
-            while eng.cache.evict_one(None) or eng.cache.release_finished(block=True):
+        with eng.room.lock:
+            while eng.cache.evict_one(None) or eng.room.release_finished(block=True):
                 pass
             size = 1 << 30
             while size >= 4096:  # fill what is left of the pool
                 try:
-                    held.append(eng.cache.tier.acquire(size, torch.uint8)[1])
+                    held.append(eng.room.tier.acquire(size, torch.uint8)[1])
                 except PoolExhausted:
                     size //= 2
-            t, buf = eng.cache.acquire(root.place.state_numel, torch.float32, protect=other)
+            t, buf = eng.room.acquire(root.place.state_numel, torch.float32, protect=other)
             assert root.opt.state is OptState.HOME and root.opt.bufs == [] and root.opt.exp_avg is None
             held.append(buf)
         for b in held:
-            eng.cache.release(b)
+            eng.room.release(b)
 
     model, _, _, _ = train_pair(small_gpt, cfg(tmp_path, host_memory=30 * UB), steps=4, between=between)
     infinity.api.close(model)

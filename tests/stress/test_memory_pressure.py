@@ -65,7 +65,7 @@ def test_cache_gives_way_and_grows_back_with_parity(tmp_path):
     capped = [e for e in infinity.stats(m)["pressure_events"] if e["action"] == "cap host cache"]
     assert capped[0]["evicted"] > 0 and capped[0]["released"] > 0
     assert max(used[3:6]) < used[2] and used[-1] > max(used[3:6]), used  # fewer copies cached, then more again
-    assert eng.cache.cap_bytes is None and eng.residency.depth_limit is None  # all grown back
+    assert eng.room.cap_bytes is None and eng.residency.depth_limit is None  # all grown back
     assert_matches(m, ref)
     infinity.close(m)
 
@@ -110,7 +110,7 @@ def test_host_homes_spill_to_nvme_and_come_back_with_parity(tmp_path, overlap, d
             o.step()
             o.zero_grad()
             spilled.append(sum(u.host.spilled for u in eng.units))
-            used.append(eng.cache.tier.used_bytes)
+            used.append(eng.room.tier.used_bytes)
             if i == 5:
                 mid = infinity.full_state_dict(m)  # read while spilled
         out = (infinity.full_state_dict(m), mid, spilled, used, infinity.stats(m)["pressure_events"],

@@ -98,15 +98,15 @@ class PressureMonitor:
     def _give_way(self, avail: int) -> bool:
         """One level down; False when nothing could be given."""
         eng = self.eng
-        cache, res = eng.cache, eng.residency
+        room, res = eng.room, eng.residency
         gave = self._spill(avail)
         if not gave and eng.modes.params_nvme:
-            used = cache.tier.used_bytes
+            used = room.used_bytes
             cap = max(self._floor, used // 2)
             if cap < used:
-                cache.cap_bytes = cap
-                evicted = cache.evict_to(cap)
-                released = cache.tier.release_free_pages()
+                room.cap_bytes = cap
+                evicted = room.evict_to(cap)
+                released = room.tier.release_free_pages()
                 self._event("cap host cache", avail, cap=cap, evicted=evicted, released=released)
                 gave = True
         depth = res.depth_limit if res.depth_limit is not None else eng.modes.depth
@@ -124,7 +124,7 @@ class PressureMonitor:
         ones the next forward needs last) to the swap files, and caps the
         cache of their copies at the host's permanent use plus a fetch
         pipeline's room. False when there is none to move."""
-        eng, cache = self.eng, self.eng.cache
+        eng, cache, room = self.eng, self.eng.cache, self.eng.room
         homes = [u for u in eng.units if cache.can_spill(u)]
         if not homes:
             return False
@@ -133,12 +133,12 @@ class PressureMonitor:
             eng.fence.wait_unit(u)  # a background save may still read the home
         freed = sum(cache.spill(u) for u in group)
         spilled = [u for g in self._spilled for u in g[1]] + group
-        cache.evict_to(0)  # the copies of spilled units cached so far: the cap below starts from the homes
-        room = (eng.modes.depth + NVME_CACHE_SPARE) * max(round_pool(u.place.compute_bytes) for u in spilled)
-        cache.cap_bytes = cache.tier.used_bytes + room
+        room.evict_to(0)  # the copies of spilled units cached so far: the cap below starts from the homes
+        pipeline = (eng.modes.depth + NVME_CACHE_SPARE) * max(round_pool(u.place.compute_bytes) for u in spilled)
+        room.cap_bytes = room.used_bytes + pipeline
         self._spilled.append((self.level + 1, group))
-        self._event("spill to NVMe", avail, units=len(group), bytes=freed, cap=cache.cap_bytes,
-                    released=cache.tier.release_free_pages())
+        self._event("spill to NVMe", avail, units=len(group), bytes=freed, cap=room.cap_bytes,
+                    released=room.tier.release_free_pages())
         return True
 
     def _grow_back(self, avail: int) -> None:
@@ -148,11 +148,11 @@ class PressureMonitor:
         if res.depth_limit is not None:
             res.depth_limit = None if res.depth_limit + 1 >= eng.modes.depth else res.depth_limit + 1
         if self.level == 0:
-            eng.cache.cap_bytes = None
-        elif eng.cache.cap_bytes is not None:
-            eng.cache.cap_bytes = min(eng.host_budget, 2 * eng.cache.cap_bytes)
+            eng.room.cap_bytes = None
+        elif eng.room.cap_bytes is not None:
+            eng.room.cap_bytes = min(eng.host_budget, 2 * eng.room.cap_bytes)
         home = self._take_home()
-        self._event("grow back", avail, cap=eng.cache.cap_bytes, depth=res.depth_limit, **home)
+        self._event("grow back", avail, cap=eng.room.cap_bytes, depth=res.depth_limit, **home)
 
     def _take_home(self) -> dict:
         """Units spilled at the levels grown back over go home again (those
@@ -170,6 +170,6 @@ class PressureMonitor:
         return MemoryPressureError(
             f"memory pressure: {avail} bytes ({format_bytes(avail)}) of RAM left to this process "
             f"({sysinfo.describe()}), below {self.critical} bytes, and infinity has given back all it can "
-            f"(host pool in use {format_bytes(eng.cache.tier.used_bytes)}, of which the placement needs "
+            f"(host pool in use {format_bytes(eng.room.used_bytes)}, of which the placement needs "
             f"{format_bytes(self._floor)}). The training state is whole: save a checkpoint now "
             "(infinity.save_checkpoint) and restart with less host_memory, offload to 'nvme', or free RAM")

@@ -70,12 +70,31 @@ so the memory is not reused while the copy reads it.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Ticket", "CpuMover", "CudaMover", "make_mover", "done_ticket"]
+__all__ = ["Ticket", "CpuMover", "CudaMover", "make_mover", "done_ticket", "on_host_job"]
+
+_host_job_state = threading.local()
+
+
+def on_host_job() -> bool:
+    """True while this thread runs a host job (optimizer work): such a job must
+    never wait for host jobs, which run one at a time (it would wait for itself)."""
+    return getattr(_host_job_state, "active", False)
+
+
+def _as_host_job(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        _host_job_state.active = True
+        try:
+            fn()
+        finally:
+            _host_job_state.active = False
+    return run
 
 
 class Ticket:
@@ -314,8 +333,8 @@ class CpuMover:
         return FutureTicket(self._d2h.submit(_cast_into, host_dst, src, accumulate))
 
     def host_job(self, fn: Callable[[], None]) -> Ticket:
-        """Runs ``fn`` on the host worker thread (optimizer work)."""
-        return FutureTicket(self._host.submit(fn))
+        """Runs ``fn`` on the host worker thread (optimizer work; see :func:`on_host_job`)."""
+        return FutureTicket(self._host.submit(_as_host_job(fn)))
 
     def release_marker(self) -> None:
         """See [Note: device range reuse]: nothing to do on the CPU."""
@@ -410,8 +429,8 @@ class CudaMover:
         return CudaTicket(ev, self.device, self._grad.submit(finish))
 
     def host_job(self, fn: Callable[[], None]) -> Ticket:
-        """Runs ``fn`` on the host worker thread (optimizer work)."""
-        return FutureTicket(self._host.submit(fn))
+        """Runs ``fn`` on the host worker thread (optimizer work; see :func:`on_host_job`)."""
+        return FutureTicket(self._host.submit(_as_host_job(fn)))
 
     def synchronize(self) -> None:
         """Blocks until every copy and host job issued so far has finished (e.g.

@@ -42,11 +42,11 @@ class GradRecord:
 
 
 class Gradients:
-    """The gradients of ``units``; ``cache`` is the host cache (buffers)."""
+    """The gradients of ``units``; ``room`` is the shared host pool (their host buffers)."""
 
-    def __init__(self, units, modes, device_tier, cache, nvme, mover, stats, sharding, accum_steps: int,
+    def __init__(self, units, modes, device_tier, room, nvme, mover, stats, sharding, accum_steps: int,
                  overlap: str):
-        self.units, self.modes, self.device_tier, self.cache = units, modes, device_tier, cache
+        self.units, self.modes, self.device_tier, self.room = units, modes, device_tier, room
         self.nvme, self.mover, self.stats, self.sharding = nvme, mover, stats, sharding
         self.accum_steps, self.overlap = accum_steps, overlap
         self._outstanding: list = []  # (ticket, device bytes) of copies off the device
@@ -201,7 +201,7 @@ class Gradients:
         it, or holding what was accumulated so far if it was spilled. Returns
         the read in flight when ``wait`` is False."""
         rec = u.grads
-        g, buf = self.cache.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u,
+        g, buf = self.room.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u,
                                     compute=self._with_copies)
         rec.grad, rec.buf = g, buf
         if rec.home is GradHome.SPILLED:
@@ -225,7 +225,7 @@ class Gradients:
             return
         self.wait(u)
         h = self.nvme.write(swap_key(u.index, "grad"), rec.grad)
-        self.cache.defer_release(h, rec.buf)
+        self.room.defer_release(h, rec.buf)
         rec.grad = rec.buf = None
         rec.home = transition(u.name, "grad home", rec.home, GradHome.SPILLED)
 
@@ -235,7 +235,7 @@ class Gradients:
         rec = u.grads
         if rec.home is not GradHome.SPILLED:
             return None
-        g, buf = self.cache.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u,
+        g, buf = self.room.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u,
                                     compute=self._with_copies)
         rec.grad, rec.buf = g, buf
         rec.home = transition(u.name, "grad home", rec.home, GradHome.LOADED)
@@ -249,7 +249,7 @@ class Gradients:
         """Frees a host copy of spilled gradients (they stay on NVMe)."""
         rec = u.grads
         if rec.home is GradHome.LOADED:
-            self.cache.release(rec.buf)
+            self.room.release(rec.buf)
             rec.grad = rec.buf = None
             rec.home = transition(u.name, "grad home", rec.home, GradHome.SPILLED)
 
@@ -288,12 +288,12 @@ class Gradients:
         rec = u.grads
         if rec.buf is not None:
             self.wait(u)
-            with self.cache.lock:
+            with self.room.lock:
                 if rec.buf is not None:
-                    self.cache.tier.release(rec.buf)
+                    self.room.release(rec.buf)
                     rec.grad = rec.buf = None
         if rec.home not in (GradHome.NONE, GradHome.PERMANENT):
-            with self.cache.lock:
+            with self.room.lock:
                 if rec.home not in (GradHome.NONE, GradHome.PERMANENT):
                     rec.home = transition(u.name, "grad home", rec.home, GradHome.NONE)
 

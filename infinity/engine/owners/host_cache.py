@@ -1,30 +1,28 @@
-"""Host buffers under ``host_memory``: permanent homes, transient buffers with
-the reclaim ladder, the cache of NVMe-homed compute copies, write-back of
-dirty copies with the producer's checksums, and frees deferred until a write
-from the buffer is done.
+"""Every unit's host compute copy: permanent homes, the cache of NVMe-homed
+compute copies, write-back of dirty copies with the producer's checksums,
+spilling homes under memory pressure and taking them back.
 
-Owns ``unit.host`` (a :class:`HostRecord`) and the host lock; nothing else
-writes them. Which cached copy to drop is policy.py's choice. See [Note: NVMe
+Owns ``unit.host`` (a :class:`HostRecord`); nothing else writes it. Its
+buffers come from the shared host pool (see [Note: the host room] in
+host_room.py), whose ladder it gives a rung: :meth:`HostCache.evict_one`. Which cached copy to drop is policy.py's choice. See [Note: NVMe
 homes and the host cache] in nvme.py and [Note: host copy states] in state.py.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Optional
 
 import torch
 
-from ...io.errors import PoolExhausted
 from ..plan import policy
 from ..mechanism.nvme import key as swap_key
-from ..plan.placement import nbytes, round_pool, spillable
+from ..plan.placement import round_pool, spillable
 from ..plan.state import CacheState, transition
-from ..mechanism.tiers import BudgetError, HostTier
+from ..mechanism.tiers import BudgetError
 from ..plan.trace import NEVER
 
-__all__ = ["HostRecord", "HostCache", "OwnedLock"]
+__all__ = ["HostRecord", "HostCache"]
 
 
 @dataclass
@@ -42,144 +40,14 @@ class HostRecord:
     spilled: bool = False     # a host home moved to the swap files under memory pressure (see spill)
 
 
-class OwnedLock:
-    """A re-entrant lock that can be let go of entirely for a wait and taken
-    back to the same depth (an update the waiter waits for needs it)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: Optional[int] = None
-        self._depth = 0
-
-    def __enter__(self) -> "OwnedLock":
-        me = threading.get_ident()
-        if self._owner != me:
-            self._lock.acquire()
-            self._owner = me
-        self._depth += 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self._owner = None
-            self._lock.release()
-
-    def wait_unlocked(self, fn: Callable[[], object]) -> object:
-        """Runs ``fn`` with the lock let go of (if this thread holds it)."""
-        if self._owner != threading.get_ident():
-            return fn()
-        depth, self._depth, self._owner = self._depth, 0, None
-        self._lock.release()
-        try:
-            return fn()
-        finally:
-            self._lock.acquire()
-            self._owner, self._depth = threading.get_ident(), depth
-
-
 class HostCache:
-    """The host tier of one engine (see the module docstring).
+    """Every unit's host compute copy (see the module docstring), in buffers
+    of the shared host pool ``room`` (mechanism/host_room.py), under its lock."""
 
-    ``wait_update`` (wait for one optimizer update in flight; True if one was
-    waited for) and ``drop_read_ahead(protect)`` (give back an optimizer
-    state read ahead; True if one was) are the ladder's last two rungs,
-    injected by the engine (see policy.HOST_ROOM_LADDER).
-    """
-
-    def __init__(self, units, modes, tier: HostTier, nvme, trace, stats):
-        self.cap_bytes: Optional[int] = None  # a soft cap on the pool's use while memory is tight (pressure.py)
-        self.units, self.modes, self.tier, self.nvme, self.trace, self.stats = units, modes, tier, nvme, trace, stats
-        self.lock = OwnedLock()
-        self._deferred: List[Tuple[object, object]] = []  # (I/O handle, buffer) freed when the write is done
-        self.wait_update: Callable[[], bool] = lambda: False
-        self.drop_read_ahead: Callable[[object], bool] = lambda protect: False
+    def __init__(self, units, modes, room, nvme, trace, stats):
+        self.units, self.modes, self.room, self.nvme, self.trace, self.stats = units, modes, room, nvme, trace, stats
         for u in units:
             u.host = HostRecord()
-
-    # -- buffers ----------------------------------------------------------------------
-
-    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed host buffer kept for good (placement at ``initialize``);
-        evicts compute copies cached by earlier units' initialisation to make room."""
-        with self.lock:
-            while True:
-                try:
-                    return self.tier.alloc(numel, dtype)
-                except PoolExhausted:
-                    if self._make_room(None):
-                        continue
-                    raise BudgetError(f"host tier: {nbytes(numel, dtype)} bytes needed for a permanent buffer, "
-                                      f"{self.tier.free_bytes} of {self.tier.pool.capacity_bytes} free; "
-                                      "raise host_memory") from None
-
-    def acquire(self, numel: int, dtype: torch.dtype, zero: bool = False, protect=None, compute: bool = False):
-        """(tensor, handle) of a transient host buffer, climbing the reclaim
-        ladder (policy.HOST_ROOM_LADDER) until it fits. ``compute``: a compute
-        copy, taken from the top of the pool (fp32 state and gradients from
-        the bottom), so neither class fragments the other's free space."""
-        with self.lock:
-            if compute and self.cap_bytes is not None:
-                # Under memory pressure the compute-copy cache keeps below its cap (see pressure.py).
-                self.evict_to(self.cap_bytes - round_pool(nbytes(numel, dtype)), protect)
-            while True:
-                try:
-                    return self.tier.acquire(numel, dtype, zero, high=compute)
-                except PoolExhausted:
-                    if self._make_room(protect):
-                        continue
-                    # Any thread but the optimizer's own may wait for its work
-                    # (on CUDA backward hooks run on autograd's device thread);
-                    # that thread would wait for itself.
-                    if not threading.current_thread().name.startswith("infinity-host") \
-                            and self.lock.wait_unlocked(self.wait_update):
-                        continue
-                    if self.drop_read_ahead(protect):
-                        continue
-                    raise BudgetError(f"host tier: {nbytes(numel, dtype)} bytes needed, {self.tier.free_bytes} of "
-                                      f"{self.tier.pool.capacity_bytes} free and nothing left to evict; "
-                                      "raise host_memory or lower prefetch_depth") from None
-
-    def release(self, buf) -> None:
-        with self.lock:
-            self.tier.release(buf)
-
-    def _make_room(self, protect) -> bool:
-        """The ladder's first three rungs (call with the lock)."""
-        return bool(self.release_finished(block=False) or self.evict_one(protect)
-                    or self.release_finished(block=True))
-
-    def defer_release(self, handle, buf) -> None:
-        """Frees ``buf`` once ``handle`` (a write from it) completes."""
-        with self.lock:
-            self._deferred.append((handle, buf))
-
-    def release_finished(self, block: bool) -> bool:
-        """Frees buffers whose writes finished; with ``block`` waits for the
-        oldest if none has. True if anything was freed."""
-        with self.lock:
-            freed, keep = False, []
-            for h, buf in self._deferred:
-                if h.done():
-                    h.wait()  # raises the write's error, if any
-                    self.tier.release(buf)
-                    freed = True
-                else:
-                    keep.append((h, buf))
-            if not freed and block and keep:
-                h, buf = keep.pop(0)
-                h.wait()
-                self.tier.release(buf)
-                freed = True
-            self._deferred = keep
-            return freed
-
-    def wait_deferred(self) -> None:
-        """Waits (without the lock) for the writes of deferred frees queued so far."""
-        with self.lock:
-            handles = [h for h, _ in self._deferred]
-        for h in handles:
-            h.wait()
 
     # -- the compute-copy cache -------------------------------------------------------
 
@@ -189,7 +57,7 @@ class HostCache:
         pass does not use again. A dirty copy is written back first; without
         ``wait`` its buffer is freed when that write is done. Returns the
         bytes freed or to be freed (0: none)."""
-        with self.lock:
+        with self.room.lock:
             cands = [u for u in self.units
                      if u is not protect and u.host.buf is not None and not u.host.locks
                      and not (done_only and self.trace.next_use(u.index) != NEVER)
@@ -207,31 +75,19 @@ class HostCache:
                 if not wait:
                     h.state = transition(v.name, "host", h.state, CacheState.WRITING_BACK)
                     h.write = handle  # a read of this copy waits for it (_settle_write_back)
-                    self._deferred.append((handle, h.buf))
+                    self.room.defer_release(handle, h.buf)
                     h.compute = h.buf = h.busy = None
                     return freed
                 handle.wait()
                 h.state = transition(v.name, "host", h.state, CacheState.CLEAN)
-            self.tier.release(h.buf)
+            self.room.release(h.buf)
             h.state = transition(v.name, "host", h.state, CacheState.NONE)
             h.compute = h.buf = h.busy = None
             return freed
 
-    def evict_to(self, used_bytes: int, protect=None) -> int:
-        """Evicts cached compute copies until the pool uses at most ``used_bytes``
-        (or nothing is left to evict); returns the bytes freed."""
-        freed = 0
-        with self.lock:
-            while self.tier.used_bytes > used_bytes:
-                got = self.evict_one(protect)
-                if not got:
-                    break
-                freed += got
-        return freed
-
     def settle_write_back(self, u) -> None:
         """Waits for a write-back of ``u``'s evicted copy still in flight (before its NVMe copy is rewritten)."""
-        with self.lock:
+        with self.room.lock:
             self._settle_write_back(u)
 
     def _settle_write_back(self, u) -> None:
@@ -247,11 +103,11 @@ class HostCache:
     def load(self, u):
         """Makes sure ``u``'s compute copy has a host buffer; returns the NVMe
         read filling it, or None if it was cached."""
-        with self.lock:
+        with self.room.lock:
             h = u.host
             if h.compute is not None:
                 return None
-            comp, buf = self.acquire(u.place.home_numel, self.modes.dtype, protect=u, compute=True)
+            comp, buf = self.room.acquire(u.place.home_numel, self.modes.dtype, protect=u, compute=True)
             self._settle_write_back(u)
             h.compute, h.buf = comp, buf
             h.state = transition(u.name, "host", h.state, CacheState.CLEAN)
@@ -287,7 +143,7 @@ class HostCache:
 
     def keep_cached(self, u, compute: torch.Tensor, buf) -> None:
         """A copy just written to NVMe stays cached, clean, while the budget has room."""
-        with self.lock:
+        with self.room.lock:
             u.host.compute, u.host.buf = compute, buf
             u.host.state = transition(u.name, "host", u.host.state, CacheState.CLEAN)
 
@@ -308,13 +164,13 @@ class HostCache:
             return h.compute
         if u.place.aliased:
             return None
-        with self.lock:
+        with self.room.lock:
             if h.compute is None and whole and len(u.layout.trainable_slots) == len(u.layout.slots) \
                     and self.modes.zero == 0:
                 # Every parameter gets written: no need to read the old copy,
                 # only to zero the padding between them.
                 from ..plan.units import Layout
-                comp, buf = self.acquire(u.place.compute_numel, self.modes.dtype, protect=u, compute=True)
+                comp, buf = self.room.acquire(u.place.compute_numel, self.modes.dtype, protect=u, compute=True)
                 Layout.zero_padding(comp, u.layout.slots)
                 self._settle_write_back(u)
                 h.compute, h.buf = comp, buf
@@ -335,7 +191,7 @@ class HostCache:
         or None) when evicted."""
         if not self.nvme_home(u):
             return
-        with self.lock:
+        with self.room.lock:
             h = u.host
             if h.state is not CacheState.DIRTY:
                 h.state = transition(u.name, "host", h.state, CacheState.DIRTY)
@@ -347,7 +203,7 @@ class HostCache:
         holds it for an update (see :meth:`close_update`). Returns the copy and
         the transfer to wait for before reading it (an NVMe read or a fetch
         still copying it up), or None."""
-        with self.lock:
+        with self.room.lock:
             read = self.load(u)
             h = u.host
             if read is None and h.busy is not None and not h.busy.done():
@@ -358,7 +214,7 @@ class HostCache:
 
     def unlock_master(self, u) -> None:
         """Lets go of :meth:`lock_master` without an update (nothing changed)."""
-        with self.lock:
+        with self.room.lock:
             u.host.locks -= 1
 
     def read_compute(self, u) -> Optional[torch.Tensor]:
@@ -385,7 +241,7 @@ class HostCache:
         under the lock (once any read filling it is done), an NVMe home is
         read into a temporary; a host home is returned as it is."""
         h = u.host
-        with self.lock:
+        with self.room.lock:
             if h.compute is not None:
                 if h.buf is None:
                     return h.compute
@@ -400,7 +256,7 @@ class HostCache:
     def store_compute(self, u, home: torch.Tensor) -> None:
         """Writes ``home`` as ``u``'s NVMe compute copy now (values loaded
         from outside); a cached copy is then clean."""
-        with self.lock:
+        with self.room.lock:
             h = u.host
             if h.busy is not None:
                 h.busy.wait()
@@ -421,7 +277,7 @@ class HostCache:
     def spill(self, u) -> int:
         """Writes ``u``'s host home to the swap files and gives its buffer
         back: from now on it is an NVMe home, cached like any. Returns the bytes freed."""
-        with self.lock:
+        with self.room.lock:
             h = u.host
             if not self.can_spill(u):
                 return 0
@@ -429,7 +285,7 @@ class HostCache:
                 h.busy.wait()  # a fetch may still copy from the buffer
             self.nvme.write(swap_key(u.index, "compute"), h.compute).wait()
             freed = round_pool(h.compute.numel() * h.compute.element_size())
-            self.tier.free(h.compute)
+            self.room.free(h.compute)
             h.compute = h.busy = None
             h.spilled = True
             h.state = transition(u.name, "host", h.state, CacheState.NONE)
@@ -439,19 +295,19 @@ class HostCache:
         """Undoes :meth:`spill`: ``u`` gets a permanent host home again, filled
         from its cached copy or the swap file. False (still spilled) when the
         pool has no room for it now."""
-        with self.lock:
+        with self.room.lock:
             h = u.host
             if not h.spilled or h.locks:
                 return False
             try:
-                home = self.alloc(u.place.home_numel, self.modes.dtype)
+                home = self.room.alloc(u.place.home_numel, self.modes.dtype)
             except BudgetError:
                 return False
             if h.compute is not None:  # cached (clean or dirty): the newest bytes
                 if h.busy is not None:
                     h.busy.wait()
                 home.copy_(h.compute)
-                self.tier.release(h.buf)
+                self.room.release(h.buf)
             else:
                 self._settle_write_back(u)
                 self.nvme.read(swap_key(u.index, "compute"), home).wait()
@@ -460,24 +316,6 @@ class HostCache:
             return True
 
     # -- teardown --------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Waits for every deferred write (none may still read a buffer when
-        the pool goes); raises the first error met, after waiting for all.
-        The caller closes the NVMe tier, then :meth:`close_pool`."""
-        first = None
-        with self.lock:
-            for h, _ in self._deferred:
-                try:
-                    h.wait()
-                except Exception as e:  # noqa: BLE001 - the others are still waited for
-                    first = first or e
-            self._deferred = []
-        if first is not None:
-            raise first
-
-    def close_pool(self) -> None:
-        self.tier.close()
 
     def forget_transfers(self) -> None:
         for u in self.units:

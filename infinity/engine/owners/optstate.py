@@ -39,10 +39,13 @@ class OptRecord:
 
 
 class OptimizerState:
-    """Master and moments of ``units``; ``cache`` is the host cache."""
+    """Master and moments of ``units``, in buffers of the shared host pool
+    ``room``; ``cache`` is the host cache (the master when it is the compute
+    copy; compute copies to evict for a read-ahead)."""
 
-    def __init__(self, units, modes, cache, nvme, sharding):
-        self.units, self.modes, self.cache, self.nvme, self.sharding = units, modes, cache, nvme, sharding
+    def __init__(self, units, modes, room, cache, nvme, sharding):
+        self.units, self.modes, self.room, self.cache = units, modes, room, cache
+        self.nvme, self.sharding = nvme, sharding
         for u in units:
             u.opt = OptRecord()
 
@@ -89,7 +92,7 @@ class OptimizerState:
         o = u.opt
         if o.state is OptState.RESIDENT:
             return []
-        with self.cache.lock:
+        with self.room.lock:
             if o.state is OptState.READING_AHEAD:
                 handles, o.pending = o.pending, None
                 o.state = transition(u.name, "optimizer state", o.state, OptState.CHECKED_OUT)
@@ -99,7 +102,7 @@ class OptimizerState:
             return handles
 
     def _read(self, u) -> list:
-        """Host buffers for ``u``'s state and the reads filling them (with the cache lock)."""
+        """Host buffers for ``u``'s state and the reads filling them (with the host room's lock)."""
         o, tn = u.opt, u.place.state_numel
         handles, bufs, kinds = [], [], KINDS
         if u.place.aliased:
@@ -111,7 +114,7 @@ class OptimizerState:
             kinds = KINDS[1:]
         for kind in kinds:
             fresh = kind != "master" and o.fresh
-            t, buf = self.cache.acquire(tn, torch.float32, zero=fresh, protect=u)
+            t, buf = self.room.acquire(tn, torch.float32, zero=fresh, protect=u)
             setattr(o, kind, t)
             bufs.append(buf)
             if not fresh:
@@ -130,7 +133,7 @@ class OptimizerState:
         kinds = KINDS[1:] if u.place.aliased else KINDS
         for kind, buf in zip(kinds, o.bufs):
             h = self.nvme.write(swap_key(u.index, kind), getattr(o, kind), sums.get(kind))
-            self.cache.defer_release(h, buf)
+            self.room.defer_release(h, buf)
         self._forget(u)
         o.fresh = False
 
@@ -140,9 +143,9 @@ class OptimizerState:
         o = u.opt
         if o.state is OptState.RESIDENT:
             return
-        with self.cache.lock:
+        with self.room.lock:
             for buf in o.bufs:
-                self.cache.tier.release(buf)
+                self.room.release(buf)
             if u.place.aliased and o.state is not OptState.HOME:
                 self.cache.unlock_master(u)
             self._forget(u)
@@ -173,8 +176,8 @@ class OptimizerState:
             return False
         need = self._read_ahead_bytes(u)
         freeing = 0
-        with self.cache.lock:
-            while evict_done and self.cache.tier.free_bytes + freeing < need:
+        with self.room.lock:
+            while evict_done and self.room.free_bytes + freeing < need:
                 n = self.cache.evict_one(u, done_only=True, wait=False)
                 if not n:
                     break
@@ -182,12 +185,12 @@ class OptimizerState:
         if freeing:
             # The write-backs finish without the lock, which the compute
             # thread needs meanwhile for its gradient buffers.
-            self.cache.wait_deferred()
-        with self.cache.lock:
+            self.room.wait_deferred()
+        with self.room.lock:
             if u.opt.state is not OptState.HOME:
                 return False
-            self.cache.release_finished(block=False)
-            if self.cache.tier.free_bytes < need:
+            self.room.release_finished(block=False)
+            if self.room.free_bytes < need:
                 return False
             try:
                 pending = self._read(u)
@@ -205,7 +208,7 @@ class OptimizerState:
         return need + round_pool(nbytes(p.trainable_numel, torch.float32))  # the gradients arriving meanwhile
 
     def drop_read_ahead(self, protect) -> bool:
-        """The ladder's last rung (with the cache lock): gives back one state
+        """The ladder's last rung (with the host room's lock): gives back one state
         read ahead and not claimed (a read-ahead is a cache; memory needed now
         comes first; the update reads it again). True if one was dropped."""
         for u in self.units:
