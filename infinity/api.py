@@ -255,7 +255,7 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _full_state_dict(model: nn.Module, eng: Engine) -> Dict[str, torch.Tensor]:
-    eng.gradients.drain()
+    eng.grads.drain()
     out: Dict[str, torch.Tensor] = {}
     cache: dict = {}
     for key, value in model.state_dict(keep_vars=True).items():

@@ -28,7 +28,7 @@ LAYERS = {
 }
 ENGINE_LAYERS = {
     "model": 6, "core": 5, "step": 4, "adapt": 3, "values": 3, "owners": 2, "mechanism": 1,
-    "plan": 0, "faults": 0, "stats": 0, "fence": 0,
+    "plan": 0, "faults": 0, "stats": 0, "fence": 0, "parts": 0,
 }
 
 

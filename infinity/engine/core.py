@@ -1,19 +1,7 @@
-"""The offload engine: builds the owners of a model's state and tells the
-four flows of a step in a few lines each.
-
-| owner | file | holds |
-|---|---|---|
-| placement (decided once) | placement.py | modes, each unit's sizes and aliasing, the budget arithmetic |
-| residency | residency.py | the device copy: arena ranges, pins, fetch, evict, ``.data`` |
-| host cache | host_cache.py | host buffers: homes, NVMe compute cache, write-back, deferred frees |
-| gradients | grads.py | off the device, accumulate, reduce, spill, claim, release |
-| optimizer state | optstate.py | master and moments: resident, or checked out from NVMe |
-| schedule | schedule.py | when updates run (step, backward, delayed) |
-| update | update.py | one unit's AdamW call |
-| values | values.py | initial and loaded values into every tier |
-
-Policy (what to evict, prefetch, read ahead) is policy.py; moving bytes is
-mover.py and the I/O engine; budgets are tiers.py; legal states state.py.
+"""The offload engine: builds the parts of a model's state once, hands each
+what it uses by name (a :class:`~infinity.engine.parts.Parts` record), and
+tells the four flows of a step in a few lines each. Which folder owns what is
+in engine/__init__.py.
 """
 
 from __future__ import annotations
@@ -27,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..system import sysinfo
-from ..config.runtime import Config, format_bytes
+from ..config.runtime import Config
 from .adapt.device_budget import DeviceBudget
 from .faults import FaultState, UsageError
 from .fence import Fence
@@ -40,10 +28,11 @@ from .plan.placement import host_need, modes_of, nvme_capacity, place_unit
 from .adapt.pressure import PressureMonitor
 from .owners.residency import Residency
 from .owners.saved import SavedTensorRouter
+from .parts import Parts
 from .plan.state import DeviceState, Quiet
 from .stats import Stats
 from .mechanism.host_room import HostRoom
-from .mechanism.tiers import BudgetError, HostTier
+from .mechanism.tiers import HostTier, host_budget
 from .plan.trace import Trace
 from .plan.units import build_units
 from .values import Values
@@ -75,7 +64,11 @@ class Engine:
         self.param_slot = {id(s.param): (u, i) for u in self.units for i, s in enumerate(u.layout.slots)}
         self.fence = Fence()  # See [Note: the engine's fence]
         self._make_parts()
-        self.values = Values(self)  # a unit's values into and out of every tier, for code outside the step
+        self.parts = Parts(self.units, self.modes, self.trace, self.stats, self.mover, self.sharding, self.nvme,
+                           self.faults, self.fence, self.room, self.host_cache, self.grads, self.optstate,
+                           self.residency, self.values_changed)
+        self.pressure = PressureMonitor(self.parts, self.host_budget)
+        self.values = Values(self.parts)  # a unit's values into and out of every tier, for code outside the step
         self.values.initialize(model)
         # See [Note: saved tensors follow their unit]; units that never move need no hooks.
         self.saved = None if self.modes.params_on_device else \
@@ -92,7 +85,7 @@ class Engine:
         self.budget = DeviceBudget(self.units, modes, self.device, cfg.device_memory)
         dev_tier = self.budget.first_tier()
         need = host_need([u.place for u in self.units], modes)
-        self.host_budget = self._host_budget(need)
+        self.host_budget = host_budget(cfg.host_memory, need)
         host_tier = HostTier(need.capacity, self.host_budget, pin=self.device.type == "cuda",
                              need_bytes=need.minimum, device=self.device)
         self.nvme = None
@@ -104,41 +97,19 @@ class Engine:
                                  checksum=cfg.swap_checksum)
             weakref.finalize(self, self.nvme.close)
         self.room = HostRoom(host_tier)  # See [Note: the host room]
-        self.cache = HostCache(self.units, modes, self.room, self.nvme, self.trace, self.stats)
-        self.gradients = Gradients(self.units, modes, dev_tier, self.room, self.nvme, self.mover, self.stats,
-                                   self.sharding, cfg.grad_accumulation_steps, cfg.overlap)
-        self.optstate = OptimizerState(self.units, modes, self.room, self.cache, self.nvme, self.sharding)
-        self.room.set_rungs(self.cache.evict_one, self.optstate.drop_read_ahead)
+        self.host_cache = HostCache(self.units, modes, self.room, self.nvme, self.trace, self.stats)
+        self.grads = Gradients(self.units, modes, dev_tier, self.room, self.nvme, self.mover, self.stats,
+                               self.sharding, cfg.grad_accumulation_steps, cfg.overlap)
+        self.optstate = OptimizerState(self.units, modes, self.room, self.host_cache, self.nvme, self.sharding)
+        self.room.set_rungs(self.host_cache.evict_one, self.optstate.drop_read_ahead)
         self.residency = Residency(self.units, modes, dev_tier, self.mover, self.trace, self.stats, self.sharding,
-                                   self.cache, self.budget.minimum, self.quiet)
-        self.pressure = PressureMonitor(self)
-
-    def _host_budget(self, need) -> int:
-        """``host_memory``, or 80% of the memory this process may use (the
-        machine's, or its cgroup's if smaller); refused if the pool would not
-        fit what the process may use (the OOM killer would end it)."""
-        given = self.config.host_memory
-        room = sysinfo.available_ram()
-        budget = given if given is not None else int(room * 0.8)
-        if given is None and need.minimum > budget:
-            raise BudgetError(
-                f"host tier: the model state placed on the host needs {need.minimum} bytes "
-                f"({format_bytes(need.minimum)}), more than the default host_memory of {budget} bytes: 80% of "
-                f"what this process may use ({sysinfo.describe()}). Raise the memory limit, offload to 'nvme' "
-                "or lower prefetch_depth")
-        pool = min(need.capacity, budget)
-        if pool > room:
-            raise BudgetError(
-                f"host tier: a pool of {pool} bytes ({format_bytes(pool)}) for host_memory={given} is more than "
-                f"this process may still use, {room} bytes ({sysinfo.describe()}): it would be killed by the "
-                f"OOM killer. Give host_memory at most {int(room * 0.9)} bytes, or raise the memory limit")
-        return budget
+                                   self.host_cache, self.budget.minimum, self.quiet)
 
     def after_step(self) -> None:
         """Called at the end of every optimizer step (see [Note: the default
         device budget] and [Note: memory pressure])."""
         self.values_version += 1
-        self.budget.after_step(self.residency, self.gradients, self.saved)
+        self.budget.after_step(self.residency, self.grads, self.saved)
         self.pressure.after_step()
         self.fence.after_step()
 
@@ -159,7 +130,7 @@ class Engine:
         if self._in_pass:
             self.end_pass()
         if self.schedule is not None and self.schedule.updates_in_flight():
-            raise self.gradients.forward_error()
+            raise self.grads.forward_error()
         self._in_pass, self.pass_grad = True, grad
         self.trace.begin_pass("train" if grad else "infer")
         if self._relayout or self.units[0].dev.state is DeviceState.ABSENT:
@@ -172,7 +143,7 @@ class Engine:
             if u.dev.external:
                 self._pin_for_pass(u)
         if grad:
-            self.gradients.begin_backward()
+            self.grads.begin_backward()
 
     def _pin_for_pass(self, u) -> None:
         self.residency.fetch(u)
@@ -221,7 +192,7 @@ class Engine:
         """A parameter's gradient is complete: it leaves the device; on ``u``'s
         last one, the schedule may start on ``u`` (reduction, update)."""
         self.residency.settle()
-        if self.gradients.take(u, ti, p):
+        if self.grads.take(u, ti, p):
             self.schedule.unit_ready(u)
 
     # -- values ---------------------------------------------------------------------------------
@@ -248,7 +219,7 @@ class Engine:
     def state_bytes(self) -> Dict[str, int]:
         """Bytes kept for good per kind of optimizer state (the ZeRO 1/N shares)."""
         out = self.optstate.kept_bytes()
-        out["grad"] = self.gradients.kept_bytes()
+        out["grad"] = self.grads.kept_bytes()
         return out
 
     def __reduce_ex__(self, protocol):
@@ -288,7 +259,7 @@ class Engine:
         """Forgets every tensor of the tiers, so memory goes back at close even
         while the caller keeps the optimizer (which references the engine):
         a run that closes and initializes again in one process needs room for one."""
-        for owner in (self.cache, self.residency, self.optstate, self.gradients, self.saved):
+        for owner in (self.host_cache, self.residency, self.optstate, self.grads, self.saved):
             if owner is not None:
                 owner.drop_buffers()
         sysinfo.trim_heap()
@@ -314,4 +285,4 @@ class Engine:
         # final garbage collection) they outlive the process group's
         # destruction and are released on gloo's thread during shutdown.
         self.residency.drop_in_flight()
-        self.cache.forget_transfers()
+        self.host_cache.forget_transfers()

@@ -24,7 +24,9 @@ __all__ = ["Values"]
 
 
 class Values:
-    """Initial and loaded values of ``parts``' units (``parts`` is the engine)."""
+    """Values into and out of every tier of ``parts``' units (parts.py: this
+    uses ``host_cache``, ``room``, ``optstate``, ``grads``, ``residency``,
+    ``sharding``, ``nvme``, ``fence``, ``values_changed``, ``units``, ``modes``)."""
 
     def __init__(self, parts):
         self.p = parts
@@ -85,13 +87,13 @@ class Values:
         self._fill(u, originals, master, home)
         if cached is not None:
             p.nvme.write(swap_key(u.index, "compute"), home).wait()
-            p.cache.keep_cached(u, home, cached)
+            p.host_cache.keep_cached(u, home, cached)
         elif home is not None:
             nxt = None
             if m.delayed:
                 nxt = p.room.alloc(u.place.compute_numel, m.dtype)
                 nxt.copy_(home)
-            p.cache.set_home(u, home, nxt)
+            p.host_cache.set_home(u, home, nxt)
         if m.params_on_device:
             p.residency.place_permanent(u, originals)
         else:
@@ -108,21 +110,21 @@ class Values:
         sn, f32 = u.place.state_numel, torch.float32
         if m.opt_nvme:
             shard = p.room.alloc(sn, f32) if m.zero else None
-            p.gradients.set_permanent(u, p.room.alloc(tn, f32) if m.zero == 1 else None, shard=shard)
+            p.grads.set_permanent(u, p.room.alloc(tn, f32) if m.zero == 1 else None, shard=shard)
             return torch.zeros(tn, dtype=f32)  # the own shard goes to NVMe (see _fill)
         if m.host_optimizer:
             st = [p.room.alloc(sn, f32) for _ in range(3)]
             p.optstate.set_resident(u, *st)
             if m.zero:  # See [Note: ZeRO shards in infinity].
-                p.gradients.set_permanent(u, p.room.alloc(tn, f32) if m.zero == 1 else None,
+                p.grads.set_permanent(u, p.room.alloc(tn, f32) if m.zero == 1 else None,
                                       shard=p.room.alloc(sn, f32))
                 return torch.zeros(tn, dtype=f32)
-            p.gradients.set_permanent(u, p.room.alloc(tn, m.grad_dtype),
+            p.grads.set_permanent(u, p.room.alloc(tn, m.grad_dtype),
                                   p.room.alloc(tn, m.grad_dtype) if m.delayed else None)
             return st[0]
         mk = lambda: torch.zeros(tn, dtype=f32, device=m.device)  # noqa: E731
         p.optstate.set_resident(u, mk(), mk(), mk())
-        p.gradients.set_permanent(u, mk())
+        p.grads.set_permanent(u, mk())
         return u.opt.master
 
     def _alloc_home(self, u):
@@ -165,7 +167,7 @@ class Values:
         home, and the device copy. Optimizer moments are left as they are."""
         p = self.p
         p.fence.wait_unit(u)
-        p.gradients.drain()
+        p.grads.drain()
         p.residency.drop_copy(u)  # fetched again, with the new values, when next used
         # In memory buffers are written in place; NVMe homes are read, written and stored back
         # (not read where every slot is overwritten, as a checkpoint's load does).
@@ -206,8 +208,8 @@ class Values:
         p = self.p
         if covers and p.modes.zero == 3:
             return _blank(scratch, u.place.compute_numel, p.modes.dtype, u.layout.slots)
-        if covers and u.host.compute is None and p.cache.nvme_home(u):
-            p.cache.settle_write_back(u)  # the old copy's write-back lands before the new copy's write
+        if covers and u.host.compute is None and p.host_cache.nvme_home(u):
+            p.host_cache.settle_write_back(u)  # the old copy's write-back lands before the new copy's write
             return _blank(scratch, u.place.home_numel, p.modes.dtype, u.layout.slots)
         return self.read_compute(u)
 
@@ -224,8 +226,8 @@ class Values:
             home = p.sharding.shard_of_params(home, u.place.trainable_numel)
             if u.host.compute is not None:
                 u.host.compute.copy_(home)
-        if p.cache.nvme_home(u):
-            p.cache.store_compute(u, home)
+        if p.host_cache.nvme_home(u):
+            p.host_cache.store_compute(u, home)
 
     # -- read by code outside the step ----------------------------------------------------
 
@@ -245,7 +247,7 @@ class Values:
         lock, and NVMe-homed optimizer state is read from its home."""
         p = self.p
         if kind == "compute" or (kind == "master" and u.place.aliased):
-            t = p.cache.read_detached(u)
+            t = p.host_cache.read_detached(u)
             if t is None:
                 t = p.residency.permanent_copy(u)
             return t if kind == "compute" else t[:u.place.trainable_numel]
@@ -257,11 +259,11 @@ class Values:
         """``u``'s full compute copy as a CPU tensor (gathered under ZeRO-3)."""
         p = self.p
         if p.modes.zero == 3:
-            shard = p.cache.read_compute(u)
+            shard = p.host_cache.read_compute(u)
             full = torch.empty(u.place.compute_numel, dtype=p.modes.dtype)
             p.sharding.gather_units_params(full, shard, u.place.trainable_numel).wait()
             return full
-        t = p.cache.read_compute(u)
+        t = p.host_cache.read_compute(u)
         return t if t is not None else p.residency.permanent_copy(u)
 
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from infinity.engine.plan import placement as pl
 from infinity.engine.owners.host_cache import HostCache
-from infinity.engine.plan.state import CacheState
+from infinity.engine.plan.state import HostState
 from infinity.engine.stats import Stats
 from infinity.engine.mechanism.host_room import HostRoom
 from infinity.engine.mechanism.tiers import BudgetError, HostTier
@@ -75,10 +75,10 @@ def test_ladder_evicts_the_copy_needed_furthest_then_writes_back_dirty_ones():
     out = cache.open_for_update(units[0], whole=True)  # make unit 0 dirty
     out.fill_(7.0)
     cache.close_update(units[0], sums="s0")
-    assert units[0].host.state is CacheState.DIRTY
+    assert units[0].host.state is HostState.DIRTY
     # Without a trace, LRU: unit 0 (last_used 0) goes first, written back with its sums.
     t, buf = cache.room.acquire(PAGE // 4, torch.float32)
-    assert units[0].host.state is CacheState.NONE and units[0].host.compute is None
+    assert units[0].host.state is HostState.NONE and units[0].host.compute is None
     key, data, crcs, _ = nvme.writes[-1]
     assert key == (0, "compute") and crcs == "s0" and torch.all(data == 7.0)
     cache.room.release(buf)
@@ -117,14 +117,14 @@ def test_a_write_back_in_flight_is_waited_for_before_its_buffer_is_reused():
     nvme.pending = True  # write-backs stay in flight
     assert cache.evict_one(None, wait=False) > 0  # unit 0 (clean) is the LRU choice: freed at once
     assert cache.evict_one(None, wait=False) > 0  # unit 1 (dirty): written back, buffer deferred
-    assert units[1].host.state is CacheState.WRITING_BACK
+    assert units[1].host.state is HostState.WRITING_BACK
     handle = nvme.writes[-1][3]
     t, buf = cache.room.acquire(PAGE // 4, torch.float32)  # page of unit 0
     t2, buf2 = cache.room.acquire(PAGE // 4, torch.float32)  # needs the deferred page: waits for the write
     assert handle.waited
     # A new read of unit 1 sees the written-back bytes: the write is settled first.
     cache.room.release(buf)
-    assert cache.load(units[1]) is not None and units[1].host.state is CacheState.CLEAN
+    assert cache.load(units[1]) is not None and units[1].host.state is HostState.CLEAN
 
 
 def test_the_optimizers_own_job_never_waits_for_an_update():

@@ -181,7 +181,7 @@ def test_nvme_read_ahead_optimizer_state_gives_way(tmp_path):
         assert eng.optstate.read_ahead(root) and root.opt.state is OptState.READING_AHEAD
         held = []
         with eng.room.lock:
-            while eng.cache.evict_one(None) or eng.room.release_finished(block=True):
+            while eng.host_cache.evict_one(None) or eng.room.release_finished(block=True):
                 pass
             size = 1 << 30
             while size >= 4096:  # fill what is left of the pool

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from infinity.engine.plan import policy
-from infinity.engine.plan.state import (CacheState, DeviceState, GradHome, GradState, IllegalTransition, OptState,
+from infinity.engine.plan.state import (HostState, DeviceState, GradHome, GradState, IllegalTransition, OptState,
                                         transition, _LEGAL)
 from infinity.engine.plan.trace import Trace
 
@@ -65,7 +65,7 @@ def test_state_read_ahead_next_two_trainable_then_the_root():
 TABLES = {
     "device": (DeviceState, [("ABSENT", "FETCHING"), ("FETCHING", "RESIDENT"), ("FETCHING", "ABSENT"),
                              ("RESIDENT", "ABSENT")]),
-    "host": (CacheState, [("NONE", "CLEAN"), ("NONE", "HOME"), ("HOME", "NONE"), ("CLEAN", "DIRTY"),
+    "host": (HostState, [("NONE", "CLEAN"), ("NONE", "HOME"), ("HOME", "NONE"), ("CLEAN", "DIRTY"),
                           ("CLEAN", "NONE"), ("CLEAN", "HOME"), ("DIRTY", "CLEAN"), ("DIRTY", "WRITING_BACK"),
                           ("DIRTY", "HOME"), ("WRITING_BACK", "NONE")]),
     "optimizer state": (OptState, [("NONE", "RESIDENT"), ("NONE", "HOME"), ("HOME", "READING_AHEAD"),

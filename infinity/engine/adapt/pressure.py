@@ -53,19 +53,22 @@ class MemoryPressureError(RuntimeError):
 
 
 class PressureMonitor:
-    """The [Note: memory pressure] policy of one engine (``eng``)."""
+    """The [Note: memory pressure] policy of one engine: handed its parts
+    (parts.py: this uses ``units``, ``modes``, ``residency``, ``room``,
+    ``host_cache``, ``stats``, ``sharding``, ``fence``) and the host budget (bytes)."""
 
-    def __init__(self, eng, available: Callable[[], int] = sysinfo.available_ram):
-        self.eng = eng
+    def __init__(self, parts, host_budget: int, available: Callable[[], int] = sysinfo.available_ram):
+        self.parts, self.host_budget = parts, host_budget
         self.available = available  # injectable: tests simulate pressure
-        self.margin = max(MIN_MARGIN, int(MARGIN_SHARE * eng.host_budget))
+        self.margin = max(MIN_MARGIN, int(MARGIN_SHARE * self.host_budget))
         self.critical = CRITICAL
         self.level = 0
         self._calm = 0
         self.events: List[dict] = []
         self._spilled: List[Tuple[int, list]] = []  # (level, units) spilled to NVMe at that level
         self._floor = self._cache_floor()
-        eng.residency.note = self.record
+        # Residency is built before this monitor: its events join ours through this one hook.
+        parts.residency.note = self.record
 
     def record(self, action: str, **kw) -> None:
         """An event of another owner (a fetch that met a full device) among the pressure events."""
@@ -74,10 +77,10 @@ class PressureMonitor:
     def _cache_floor(self) -> int:
         """The least the host pool may be capped at: what the placement needs."""
         from ..plan.placement import host_need
-        return host_need([u.place for u in self.eng.units], self.eng.modes).minimum
+        return host_need([u.place for u in self.parts.units], self.parts.modes).minimum
 
     def _event(self, action: str, avail: int, **kw) -> None:
-        self.events.append(dict(time=time.time(), step=self.eng.stats.steps, action=action, available=avail, **kw))
+        self.events.append(dict(time=time.time(), step=self.parts.stats.steps, action=action, available=avail, **kw))
 
     def after_step(self) -> None:
         """Called at the end of every optimizer step; may give way or grow back a level."""
@@ -97,10 +100,10 @@ class PressureMonitor:
 
     def _give_way(self, avail: int) -> bool:
         """One level down; False when nothing could be given."""
-        eng = self.eng
-        room, res = eng.room, eng.residency
+        p = self.parts
+        room, res = p.room, p.residency
         gave = self._spill(avail)
-        if not gave and eng.modes.params_nvme:
+        if not gave and p.modes.params_nvme:
             used = room.used_bytes
             cap = max(self._floor, used // 2)
             if cap < used:
@@ -109,9 +112,9 @@ class PressureMonitor:
                 released = room.tier.release_free_pages()
                 self._event("cap host cache", avail, cap=cap, evicted=evicted, released=released)
                 gave = True
-        depth = res.depth_limit if res.depth_limit is not None else eng.modes.depth
+        depth = res.depth_limit if res.depth_limit is not None else p.modes.depth
         # On several ranks the prefetch order issues collectives (ZeRO-3 gathers): all ranks keep one depth.
-        if depth > 0 and eng.sharding.world == 1:
+        if depth > 0 and p.sharding.world == 1:
             res.depth_limit = depth - 1
             self._event("lower prefetch depth", avail, depth=depth - 1)
             gave = True
@@ -124,17 +127,17 @@ class PressureMonitor:
         ones the next forward needs last) to the swap files, and caps the
         cache of their copies at the host's permanent use plus a fetch
         pipeline's room. False when there is none to move."""
-        eng, cache, room = self.eng, self.eng.cache, self.eng.room
-        homes = [u for u in eng.units if cache.can_spill(u)]
+        p, cache, room = self.parts, self.parts.host_cache, self.parts.room
+        homes = [u for u in p.units if cache.can_spill(u)]
         if not homes:
             return False
         group = homes[len(homes) // 2:]
         for u in group:
-            eng.fence.wait_unit(u)  # a background save may still read the home
+            p.fence.wait_unit(u)  # a background save may still read the home
         freed = sum(cache.spill(u) for u in group)
         spilled = [u for g in self._spilled for u in g[1]] + group
         room.evict_to(0)  # the copies of spilled units cached so far: the cap below starts from the homes
-        pipeline = (eng.modes.depth + NVME_CACHE_SPARE) * max(round_pool(u.place.compute_bytes) for u in spilled)
+        pipeline = (p.modes.depth + NVME_CACHE_SPARE) * max(round_pool(u.place.compute_bytes) for u in spilled)
         room.cap_bytes = room.used_bytes + pipeline
         self._spilled.append((self.level + 1, group))
         self._event("spill to NVMe", avail, units=len(group), bytes=freed, cap=room.cap_bytes,
@@ -142,17 +145,17 @@ class PressureMonitor:
         return True
 
     def _grow_back(self, avail: int) -> None:
-        eng = self.eng
+        p = self.parts
         self.level = max(0, self.level - 1)
-        res = eng.residency
+        res = p.residency
         if res.depth_limit is not None:
-            res.depth_limit = None if res.depth_limit + 1 >= eng.modes.depth else res.depth_limit + 1
+            res.depth_limit = None if res.depth_limit + 1 >= p.modes.depth else res.depth_limit + 1
         if self.level == 0:
-            eng.room.cap_bytes = None
-        elif eng.room.cap_bytes is not None:
-            eng.room.cap_bytes = min(eng.host_budget, 2 * eng.room.cap_bytes)
+            p.room.cap_bytes = None
+        elif p.room.cap_bytes is not None:
+            p.room.cap_bytes = min(self.host_budget, 2 * p.room.cap_bytes)
         home = self._take_home()
-        self._event("grow back", avail, cap=eng.room.cap_bytes, depth=res.depth_limit, **home)
+        self._event("grow back", avail, cap=p.room.cap_bytes, depth=res.depth_limit, **home)
 
     def _take_home(self) -> dict:
         """Units spilled at the levels grown back over go home again (those
@@ -160,16 +163,16 @@ class PressureMonitor:
         back = 0
         for lvl, group in self._spilled:
             if lvl > self.level:
-                back += sum(self.eng.cache.take_home(u) for u in group)
+                back += sum(self.parts.host_cache.take_home(u) for u in group)
                 group[:] = [u for u in group if u.host.spilled]
         self._spilled = [g for g in self._spilled if g[1]]
         return {"taken_home": back} if back else {}
 
     def _error(self, avail: int) -> MemoryPressureError:
-        eng = self.eng
+        p = self.parts
         return MemoryPressureError(
             f"memory pressure: {avail} bytes ({format_bytes(avail)}) of RAM left to this process "
             f"({sysinfo.describe()}), below {self.critical} bytes, and infinity has given back all it can "
-            f"(host pool in use {format_bytes(eng.room.used_bytes)}, of which the placement needs "
+            f"(host pool in use {format_bytes(p.room.used_bytes)}, of which the placement needs "
             f"{format_bytes(self._floor)}). The training state is whole: save a checkpoint now "
             "(infinity.save_checkpoint) and restart with less host_memory, offload to 'nvme', or free RAM")

@@ -13,9 +13,10 @@ import torch
 
 from ...config.runtime import format_bytes
 from ...io.extent_allocator import ExtentAllocator
+from ...system import sysinfo
 from ..plan.limits import DEVICE_ALIGN  # See [Note: limits that must agree]
 
-__all__ = ["DeviceTier", "HostTier", "BudgetError"]
+__all__ = ["DeviceTier", "HostTier", "BudgetError", "host_budget"]
 
 
 
@@ -206,3 +207,25 @@ class HostTier:
         if pool is not None:
             self._final_peak = pool.peak_bytes
             pool.close()
+
+
+def host_budget(given: Optional[int], need) -> int:
+    """The host budget (bytes): ``given`` (``Config.host_memory``), or 80% of
+    the memory this process may use (the machine's, or its cgroup's if
+    smaller); refused if the pool ``need`` (placement.HostNeed) asks for would
+    not fit what the process may use (the OOM killer would end it)."""
+    room = sysinfo.available_ram()
+    budget = given if given is not None else int(room * 0.8)
+    if given is None and need.minimum > budget:
+        raise BudgetError(
+            f"host tier: the model state placed on the host needs {need.minimum} bytes "
+            f"({format_bytes(need.minimum)}), more than the default host_memory of {budget} bytes: 80% of "
+            f"what this process may use ({sysinfo.describe()}). Raise the memory limit, offload to 'nvme' "
+            "or lower prefetch_depth")
+    pool = min(need.capacity, budget)
+    if pool > room:
+        raise BudgetError(
+            f"host tier: a pool of {pool} bytes ({format_bytes(pool)}) for host_memory={given} is more than "
+            f"this process may still use, {room} bytes ({sysinfo.describe()}): it would be killed by the "
+            f"OOM killer. Give host_memory at most {int(room * 0.9)} bytes, or raise the memory limit")
+    return budget

@@ -345,7 +345,7 @@ class ParamGuard:
 
     def grad(self, p: nn.Parameter, kind: str, args):
         eng = self.eng
-        held = eng.gradients.micro_batches > 0
+        held = eng.grads.micro_batches > 0
         if kind == "__get__" and not held:
             return None
         if kind == "__set__" and args[1] is None:

@@ -18,7 +18,7 @@ import torch
 from ..plan import policy
 from ..mechanism.nvme import key as swap_key
 from ..plan.placement import round_pool, spillable
-from ..plan.state import CacheState, transition
+from ..plan.state import HostState, transition
 from ..mechanism.tiers import BudgetError
 from ..plan.trace import NEVER
 
@@ -29,7 +29,7 @@ __all__ = ["HostRecord", "HostCache"]
 class HostRecord:
     """A unit's host compute copy (written by host_cache.py only)."""
 
-    state: CacheState = CacheState.NONE
+    state: HostState = HostState.NONE
     compute: Optional[torch.Tensor] = None  # the home, or the cached copy of an NVMe home
     buf: object = None        # pool handle of a cached copy (None: a permanent home, or none)
     busy: object = None       # the transfer reading ``compute`` (a fetch ticket)
@@ -67,21 +67,21 @@ class HostCache:
                 return 0
             h = v.host
             freed = round_pool(h.compute.numel() * h.compute.element_size())
-            if h.state is CacheState.DIRTY:
+            if h.state is HostState.DIRTY:
                 # Write-back: a copy updated while cached reaches NVMe only now, so
                 # a unit that stays cached costs no swap writes step after step.
                 handle = self.nvme.write(swap_key(v.index, "compute"), h.compute, h.sums)
                 h.sums = None
                 if not wait:
-                    h.state = transition(v.name, "host", h.state, CacheState.WRITING_BACK)
+                    h.state = transition(v.name, "host", h.state, HostState.WRITING_BACK)
                     h.write = handle  # a read of this copy waits for it (_settle_write_back)
                     self.room.defer_release(handle, h.buf)
                     h.compute = h.buf = h.busy = None
                     return freed
                 handle.wait()
-                h.state = transition(v.name, "host", h.state, CacheState.CLEAN)
+                h.state = transition(v.name, "host", h.state, HostState.CLEAN)
             self.room.release(h.buf)
-            h.state = transition(v.name, "host", h.state, CacheState.NONE)
+            h.state = transition(v.name, "host", h.state, HostState.NONE)
             h.compute = h.buf = h.busy = None
             return freed
 
@@ -97,8 +97,8 @@ class HostCache:
         if h.write is not None:
             h.write.wait()
             h.write = None
-        if h.state is CacheState.WRITING_BACK:
-            h.state = transition(u.name, "host", h.state, CacheState.NONE)
+        if h.state is HostState.WRITING_BACK:
+            h.state = transition(u.name, "host", h.state, HostState.NONE)
 
     def load(self, u):
         """Makes sure ``u``'s compute copy has a host buffer; returns the NVMe
@@ -110,7 +110,7 @@ class HostCache:
             comp, buf = self.room.acquire(u.place.home_numel, self.modes.dtype, protect=u, compute=True)
             self._settle_write_back(u)
             h.compute, h.buf = comp, buf
-            h.state = transition(u.name, "host", h.state, CacheState.CLEAN)
+            h.state = transition(u.name, "host", h.state, HostState.CLEAN)
             # Busy until the read is done: no eviction may free the buffer it
             # fills (a fetch replaces this by its own transfer, which waits for it).
             h.busy = self.nvme.read(swap_key(u.index, "compute"), comp)
@@ -139,13 +139,13 @@ class HostCache:
         """``u``'s permanent host compute copy (and the delayed mode's second one)."""
         h = u.host
         h.compute, h.next_compute = compute, next_compute
-        h.state = transition(u.name, "host", h.state, CacheState.HOME)
+        h.state = transition(u.name, "host", h.state, HostState.HOME)
 
     def keep_cached(self, u, compute: torch.Tensor, buf) -> None:
         """A copy just written to NVMe stays cached, clean, while the budget has room."""
         with self.room.lock:
             u.host.compute, u.host.buf = compute, buf
-            u.host.state = transition(u.name, "host", u.host.state, CacheState.CLEAN)
+            u.host.state = transition(u.name, "host", u.host.state, HostState.CLEAN)
 
     def swap_next(self, u) -> None:
         """Delayed mode: the queued update's buffer becomes the home."""
@@ -174,7 +174,7 @@ class HostCache:
                 Layout.zero_padding(comp, u.layout.slots)
                 self._settle_write_back(u)
                 h.compute, h.buf = comp, buf
-                h.state = transition(u.name, "host", h.state, CacheState.CLEAN)
+                h.state = transition(u.name, "host", h.state, HostState.CLEAN)
             elif h.compute is None:
                 self.load(u).wait()  # frozen parameters must be there too
             elif h.busy is not None and not h.busy.done():
@@ -193,8 +193,8 @@ class HostCache:
             return
         with self.room.lock:
             h = u.host
-            if h.state is not CacheState.DIRTY:
-                h.state = transition(u.name, "host", h.state, CacheState.DIRTY)
+            if h.state is not HostState.DIRTY:
+                h.state = transition(u.name, "host", h.state, HostState.DIRTY)
             h.sums = sums
             h.locks -= 1
 
@@ -262,8 +262,8 @@ class HostCache:
                 h.busy.wait()
             self.nvme.write(swap_key(u.index, "compute"), home).wait()
             h.sums = None
-            if h.state is CacheState.DIRTY:
-                h.state = transition(u.name, "host", h.state, CacheState.CLEAN)
+            if h.state is HostState.DIRTY:
+                h.state = transition(u.name, "host", h.state, HostState.CLEAN)
 
     # -- spilling homes under memory pressure (pressure.py) -------------------------------
 
@@ -272,7 +272,7 @@ class HostCache:
         tier reserved room for it (placement.spillable), no update
         holds it, and it is not the delayed mode's pair of buffers."""
         h = u.host
-        return spillable(self.modes) and h.state is CacheState.HOME and not h.locks
+        return spillable(self.modes) and h.state is HostState.HOME and not h.locks
 
     def spill(self, u) -> int:
         """Writes ``u``'s host home to the swap files and gives its buffer
@@ -288,7 +288,7 @@ class HostCache:
             self.room.free(h.compute)
             h.compute = h.busy = None
             h.spilled = True
-            h.state = transition(u.name, "host", h.state, CacheState.NONE)
+            h.state = transition(u.name, "host", h.state, HostState.NONE)
             return freed
 
     def take_home(self, u) -> bool:
@@ -312,7 +312,7 @@ class HostCache:
                 self._settle_write_back(u)
                 self.nvme.read(swap_key(u.index, "compute"), home).wait()
             h.compute, h.buf, h.busy, h.sums, h.spilled = home, None, None, None, False
-            h.state = transition(u.name, "host", h.state, CacheState.HOME)
+            h.state = transition(u.name, "host", h.state, HostState.HOME)
             return True
 
     # -- teardown --------------------------------------------------------------------

@@ -44,7 +44,7 @@ class OptimizerState:
     copy; compute copies to evict for a read-ahead)."""
 
     def __init__(self, units, modes, room, cache, nvme, sharding):
-        self.units, self.modes, self.room, self.cache = units, modes, room, cache
+        self.units, self.modes, self.room, self.host_cache = units, modes, room, cache
         self.nvme, self.sharding = nvme, sharding
         for u in units:
             u.opt = OptRecord()
@@ -107,7 +107,7 @@ class OptimizerState:
         handles, bufs, kinds = [], [], KINDS
         if u.place.aliased:
             # The master is the cached compute copy, held until checkin.
-            comp, read = self.cache.lock_master(u)
+            comp, read = self.host_cache.lock_master(u)
             if read is not None:
                 handles.append(read)
             o.master = comp[:tn]
@@ -147,7 +147,7 @@ class OptimizerState:
             for buf in o.bufs:
                 self.room.release(buf)
             if u.place.aliased and o.state is not OptState.HOME:
-                self.cache.unlock_master(u)
+                self.host_cache.unlock_master(u)
             self._forget(u)
 
     def forget_read_ahead(self, u) -> None:
@@ -178,7 +178,7 @@ class OptimizerState:
         freeing = 0
         with self.room.lock:
             while evict_done and self.room.free_bytes + freeing < need:
-                n = self.cache.evict_one(u, done_only=True, wait=False)
+                n = self.host_cache.evict_one(u, done_only=True, wait=False)
                 if not n:
                     break
                 freeing += n
@@ -244,7 +244,7 @@ class OptimizerState:
         """A temporary copy of ``kind`` from its NVMe home (this rank's shard)."""
         p = u.place
         if kind == "master" and p.aliased:
-            return self.cache.read_compute(u)[:p.trainable_numel]
+            return self.host_cache.read_compute(u)[:p.trainable_numel]
         if kind != "master" and u.opt.fresh:
             return torch.zeros(p.state_numel)
         out = torch.empty(p.state_numel, dtype=torch.float32)

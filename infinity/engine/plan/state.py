@@ -104,7 +104,7 @@ from __future__ import annotations
 import enum
 import threading
 
-__all__ = ["DeviceState", "CacheState", "OptState", "GradState", "GradHome", "transition", "IllegalTransition",
+__all__ = ["DeviceState", "HostState", "OptState", "GradState", "GradHome", "transition", "IllegalTransition",
            "Quiet"]
 
 
@@ -114,7 +114,7 @@ class DeviceState(enum.Enum):
     RESIDENT = "resident"
 
 
-class CacheState(enum.Enum):
+class HostState(enum.Enum):
     NONE = "none"
     HOME = "home"
     CLEAN = "clean"
@@ -152,11 +152,11 @@ _LEGAL = {
     DeviceState.ABSENT: {DeviceState.FETCHING},
     DeviceState.FETCHING: {DeviceState.RESIDENT, DeviceState.ABSENT},
     DeviceState.RESIDENT: {DeviceState.ABSENT},
-    CacheState.NONE: {CacheState.CLEAN, CacheState.HOME},
-    CacheState.HOME: {CacheState.NONE},
-    CacheState.CLEAN: {CacheState.DIRTY, CacheState.NONE, CacheState.HOME},
-    CacheState.DIRTY: {CacheState.CLEAN, CacheState.WRITING_BACK, CacheState.HOME},
-    CacheState.WRITING_BACK: {CacheState.NONE},
+    HostState.NONE: {HostState.CLEAN, HostState.HOME},
+    HostState.HOME: {HostState.NONE},
+    HostState.CLEAN: {HostState.DIRTY, HostState.NONE, HostState.HOME},
+    HostState.DIRTY: {HostState.CLEAN, HostState.WRITING_BACK, HostState.HOME},
+    HostState.WRITING_BACK: {HostState.NONE},
     OptState.NONE: {OptState.RESIDENT, OptState.HOME},
     OptState.RESIDENT: set(),
     OptState.HOME: {OptState.READING_AHEAD, OptState.CHECKED_OUT},

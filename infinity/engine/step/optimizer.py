@@ -52,8 +52,8 @@ class InfinityOptimizer(torch.optim.Optimizer):
         chunk = engine.nvme.sum_chunk_bytes if engine.modes.opt_nvme else None
         self.updater = Updater(engine.modes, engine.sharding, self.param_groups, engine.stats, chunk,
                                cfg.num_threads, engine.values_changed)
-        self.scaling = Scaling(cfg, engine.sharding, engine.gradients, self.updater.counted_runs, engine.stats)
-        self.schedule = make_schedule(engine, self.updater, cfg.overlap, cfg.grad_accumulation_steps,
+        self.scaling = Scaling(cfg, engine.sharding, engine.grads, self.updater.counted_runs, engine.stats)
+        self.schedule = make_schedule(engine.parts, self.updater, cfg.overlap, cfg.grad_accumulation_steps,
                                       early_ok=not self.scaling.waits_for_step)
 
     # The scaling's figures, where torch users and checkpoints look for them.
@@ -112,12 +112,12 @@ class InfinityOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             check_hyperparameters(float(g["lr"]), g["betas"], g["eps"], g["weight_decay"])
         eng = self.engine
-        had_grads = eng.gradients.micro_batches > 0  # torch keeps them (p.grad) until zero_grad()
+        had_grads = eng.grads.micro_batches > 0  # torch keeps them (p.grad) until zero_grad()
         with eng.faults.guard("optimizer.step()"):
             if eng.in_pass and eng.pass_grad:
                 eng.end_pass()  # step() without a finished backward: release the pass
             self.schedule.step(self.scaling)
-        eng.gradients.open_window(stepped=had_grads)
+        eng.grads.open_window(stepped=had_grads)
         eng.after_step()
         eng.stats.end_step_window()
         return loss

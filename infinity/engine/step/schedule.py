@@ -46,9 +46,10 @@ __all__ = ["make_schedule", "StepSchedule", "BackwardSchedule", "DelayedSchedule
 
 
 class StepSchedule:
-    """Updates in ``step()``. ``parts`` is the engine (its owners:
-    ``grads``, ``optstate``, ``cache``, ``residency``, and ``mover``,
-    ``sharding``, ``stats``, ``trace``, ``units``, ``modes``)."""
+    """Updates in ``step()``. ``parts`` is the engine's record of its parts
+    (parts.py; this uses ``grads``, ``optstate``, ``host_cache``,
+    ``residency``, ``mover``, ``sharding``, ``stats``, ``trace``, ``faults``,
+    ``fence``, ``values_changed``, ``units``, ``modes``)."""
 
     def __init__(self, parts, updater, accum_steps: int, early_ok: bool):
         self.p, self.updater, self.accum_steps = parts, updater, accum_steps
@@ -64,7 +65,7 @@ class StepSchedule:
     # -- during backward ---------------------------------------------------------------
 
     def _last_backward(self) -> bool:
-        return self.p.gradients.micro_batches + 1 == self.accum_steps
+        return self.p.grads.micro_batches + 1 == self.accum_steps
 
     def unit_ready(self, u) -> None:
         """``u``'s last gradient of this backward has left the device."""
@@ -72,9 +73,9 @@ class StepSchedule:
         if self.needs_reduce and p.modes.zero != 1 and self._last_backward() and u.place.trainable \
                 and not u.grads.reduced:
             self._closing = True  # See [Note: the accumulation window]
-            p.gradients.reduce(u)     # in program order on every rank
+            p.grads.reduce(u)     # in program order on every rank
         if not self._start_early(u) and p.modes.opt_nvme and not p.modes.zero:
-            p.gradients.spill(u)      # bounded host memory until step()
+            p.grads.spill(u)      # bounded host memory until step()
 
     def _start_early(self, u) -> bool:
         return False
@@ -82,10 +83,10 @@ class StepSchedule:
     def backward_done(self) -> None:
         """A whole backward is done."""
         p = self.p
-        p.gradients.backward_counted(self._closing)
+        p.grads.backward_counted(self._closing)
         if p.modes.opt_nvme and not p.modes.zero:
             for u in p.units:  # units some of whose parameters got no gradient
-                p.gradients.spill(u)
+                p.grads.spill(u)
 
     def _guarded(self, job, u):
         """``job`` for the host thread: a fault it raises fails the engine at
@@ -99,7 +100,7 @@ class StepSchedule:
             except BaseException as e:
                 p.faults.record(e, f"the update of unit {u.name!r} on the optimizer's thread")
                 _quietly(p.optstate.discard, u)
-                _quietly(p.gradients.release, u)
+                _quietly(p.grads.release, u)
                 raise
 
         return run
@@ -144,14 +145,14 @@ class StepSchedule:
         for t in self._running.values():
             t.wait()
         p.stats.optimizer_wait_seconds += time.perf_counter() - t0
-        p.gradients.drain()
+        p.grads.drain()
         if self.needs_reduce:
             for u in p.units:  # same order on every rank
                 if u.place.trainable and not u.grads.reduced and u.index not in self._running:
-                    p.gradients.reduce(u)
-            p.gradients.finish_reductions()
+                    p.grads.reduce(u)
+            p.grads.finish_reductions()
         todo = [u for u in p.units if u.index not in self._running and u.place.trainable]
-        skip, scale = scaling.global_scale([(u, p.gradients.update_input(u), u.grads.written) for u in todo])
+        skip, scale = scaling.global_scale([(u, p.grads.update_input(u), u.grads.written) for u in todo])
         if skip and self._running:
             raise RuntimeError("internal: overflow after early updates")  # early updates exclude fp16
         scaling.after_overflow_check(skip)
@@ -160,7 +161,7 @@ class StepSchedule:
             p.stats.steps += 1
             self._last_order = list(self._running) + [u.index for u in todo]
         for u in p.units:
-            p.gradients.consume(u)
+            p.grads.consume(u)
         self._running = OrderedDict()
         self._closing = False
         if not skip:
@@ -172,13 +173,13 @@ class StepSchedule:
             self._pipeline(todo, scale)
         else:
             for u in todo:
-                self.update_in_memory(u, p.gradients.update_input(u), list(u.grads.written), scale)
+                self.update_in_memory(u, p.grads.update_input(u), list(u.grads.written), scale)
         if p.modes.zero in (1, 2):  # every rank gets the new compute copies of every shard
             for u in p.units:
                 if u.place.trainable:
-                    comp = p.cache.open_for_update(u)  # NVMe home: the cached copy, read back if evicted
+                    comp = p.host_cache.open_for_update(u)  # NVMe home: the cached copy, read back if evicted
                     p.sharding.all_gather_(comp[:u.place.trainable_numel])
-                    p.cache.close_update(u)
+                    p.host_cache.close_update(u)
                     p.values_changed(u)
 
     def update_in_memory(self, u, grad, written: List[bool], scale: float) -> None:
@@ -190,24 +191,24 @@ class StepSchedule:
         if not any(written):
             return  # no gradient this step: nothing changes
         p.fence.wait_unit(u)
-        out = p.cache.open_for_update(u, all(written)) if p.modes.host_optimizer else None
+        out = p.host_cache.open_for_update(u, all(written)) if p.modes.host_optimizer else None
         try:
             self.updater.run(u, grad, written, out, scale, live=True)
         finally:
             if p.modes.host_optimizer:
-                p.cache.close_update(u)
+                p.host_cache.close_update(u)
 
     def update_from_nvme(self, u, grad, written: List[bool], scale: float) -> None:
         """One unit's update with its state checked out from NVMe (the reads
         waited for), then checked back in with the kernel's checksums."""
         p = self.p
         p.fence.wait_unit(u)
-        sums = self.updater.run(u, grad, written, p.cache.open_for_update(u, all(written)), scale, live=True)
+        sums = self.updater.run(u, grad, written, p.host_cache.open_for_update(u, all(written)), scale, live=True)
         p.optstate.checkin(u, sums)
         # [Note: fp32 master aliasing]: the master's sums over the whole copy
         # go with its write-back on eviction ([Note: sums from the producer]).
         whole = sums is not None and u.place.aliased and u.place.trainable_numel == u.place.compute_numel
-        p.cache.close_update(u, sums.get("master") if whole else None)
+        p.host_cache.close_update(u, sums.get("master") if whole else None)
 
     def _pipeline(self, todo, scale: float) -> None:
         """NVMe optimizer state: while unit i is updated, unit i+1's master,
@@ -216,7 +217,7 @@ class StepSchedule:
         p = self.p
 
         def load(u) -> list:
-            hs = [] if p.modes.zero else [h for h in (p.gradients.load(u, wait=False),) if h is not None]
+            hs = [] if p.modes.zero else [h for h in (p.grads.load(u, wait=False),) if h is not None]
             return hs + p.optstate.checkout(u)
 
         pending = load(todo[0]) if todo else []
@@ -224,12 +225,12 @@ class StepSchedule:
             for h in pending:
                 h.wait()
             pending = load(todo[i + 1]) if i + 1 < len(todo) else []
-            grad = p.gradients.update_input(u)
+            grad = p.grads.update_input(u)
             if grad is not None:
                 self.update_from_nvme(u, grad, list(u.grads.written), scale)
             else:  # no gradient this step: the untouched state goes back
                 p.optstate.discard(u)
-            p.gradients.release(u)
+            p.grads.release(u)
 
     def _refresh_compute_copies(self) -> None:
         p = self.p
@@ -243,9 +244,9 @@ class StepSchedule:
                 if u.dev.permanent:
                     p.residency.write_permanent(u, u.opt.master)
                 elif p.mover.is_cuda:
-                    p.mover.d2h(p.cache.home(u)[:tn], u.opt.master.to(p.modes.dtype)).wait()
+                    p.mover.d2h(p.host_cache.home(u)[:tn], u.opt.master.to(p.modes.dtype)).wait()
                 else:
-                    p.cache.home(u)[:tn].copy_(u.opt.master)
+                    p.host_cache.home(u)[:tn].copy_(u.opt.master)
         p.residency.invalidate()
 
     # -- other calls ---------------------------------------------------------------------
@@ -264,10 +265,10 @@ class StepSchedule:
                 "the gradients cannot be discarded any more. Call optimizer.step() first, or use "
                 "overlap='step' to decide after backward whether to step")
         self._closing = False
-        p.gradients.open_window()
-        p.gradients.drain()
+        p.grads.open_window()
+        p.grads.drain()
         for u in p.units:
-            p.gradients.consume(u)
+            p.grads.consume(u)
 
 
 class BackwardSchedule(StepSchedule):
@@ -286,22 +287,22 @@ class BackwardSchedule(StepSchedule):
         if not (self.early_ok and self._last_backward() and p.modes.zero != 1 and u.index not in self._running):
             return False
         self._closing = True
-        grad, written = p.gradients.update_input(u), list(u.grads.written)
+        grad, written = p.grads.update_input(u), list(u.grads.written)
         scale = 1.0 / p.sharding.world  # gradients are sums over the data-parallel ranks
         if p.modes.opt_nvme:
             self._bound_queue()
             if not p.modes.zero:
-                p.gradients.claim(u)
+                p.grads.claim(u)
 
             def job() -> None:
-                p.gradients.wait(u)
+                p.grads.wait(u)
                 for h in p.optstate.checkout(u):
                     h.wait()
                 self.update_from_nvme(u, grad, written, scale)
-                p.gradients.release(u)
+                p.grads.release(u)
         else:
             def job() -> None:
-                p.gradients.wait(u)
+                p.grads.wait(u)
                 self.update_in_memory(u, grad, written, scale)
 
         self._running[u.index] = p.mover.host_job(self._guarded(job, u))
@@ -364,16 +365,16 @@ class DelayedSchedule(StepSchedule):
         p.stats.optimizer_wait_seconds += time.perf_counter() - t0
         if self._pending:
             self._apply_pending()
-        p.gradients.drain()
+        p.grads.drain()
         work = []
         for u in p.units:
             if u.place.trainable:
                 written = list(u.grads.written)
-                work.append((u, p.gradients.swap_delayed(u), written))  # the next backward fills the other buffer
+                work.append((u, p.grads.swap_delayed(u), written))  # the next backward fills the other buffer
         skip, scale = scaling.global_scale(work)
         scaling.after_overflow_check(skip)
         for u in p.units:
-            p.gradients.consume(u)
+            p.grads.consume(u)
         if skip:
             return
         p.stats.steps += 1
@@ -401,7 +402,7 @@ class DelayedSchedule(StepSchedule):
         p = self.p
         self._pending = []
         for u in self._pending_units:
-            p.cache.swap_next(u)
+            p.host_cache.swap_next(u)
             p.values_changed(u)
         self._pending_units = []
         p.residency.invalidate()
