@@ -14,7 +14,7 @@ refresh of device-resident copies. Buffers, which forward may change
 (BatchNorm's running statistics), are copied at the call. Reads need no fence, but a compute copy
 cached in the host pool can be evicted and its buffer reused while the save
 holds it, so the save copies such a copy under the host lock
-(``Engine.read_detached``). The engine knows nothing of this: the save
+(``Values.read_detached`` in values.py). The engine knows nothing of this: the save
 installs its waiter into the engine's fence (see [Note: the engine's fence]
 in fence.py). Forward and backward overlap the save; an
 update of a unit not yet written waits for it. The save writes unit by unit

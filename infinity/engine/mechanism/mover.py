@@ -364,7 +364,7 @@ class CudaMover:
         self._grad = _executor("infinity-grad")
         self._chain = _executor("infinity-chain")
         self._last_release = None
-        self.stall_clock = StallClock()  # See Engine.device_stall_seconds
+        self.stall_clock = StallClock()  # See Residency.device_stall_seconds
 
     def chain(self, first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
         """Runs ``first`` (a host-side wait, e.g. an NVMe read) then issues ``then``'s copy."""

@@ -237,7 +237,7 @@ class HostCache:
 
     def read_detached(self, u) -> Optional[torch.Tensor]:
         """:meth:`read_compute` for a reader on another thread while training
-        runs (see Engine.read_detached): a copy cached in the pool is cloned
+        runs (see Values.read_detached in values.py): a copy cached in the pool is cloned
         under the lock (once any read filling it is done), an NVMe home is
         read into a temporary; a host home is returned as it is."""
         h = u.host
