@@ -247,13 +247,31 @@ class Values:
         lock, and NVMe-homed optimizer state is read from its home."""
         p = self.p
         if kind == "compute" or (kind == "master" and u.place.aliased):
-            t = p.host_cache.read_detached(u)
+            t = self._compute_detached(u)
             if t is None:
                 t = p.residency.permanent_copy(u)
             return t if kind == "compute" else t[:u.place.trainable_numel]
         if p.modes.opt_nvme:
             return p.optstate.read_home(u, kind) if u.place.trainable else None
         return self.read(u, kind)
+
+    def _compute_detached(self, u) -> Optional[torch.Tensor]:
+        """``u``'s host compute copy for a reader on another thread: a copy
+        cached in the pool is cloned under the host room's lock (once any read
+        filling it is done), an NVMe home is read into a temporary; a host
+        home is returned as it is (updates wait for the reader: the fence)."""
+        p, h = self.p, u.host
+        with p.room.lock:
+            if h.compute is not None:
+                if h.buf is None:
+                    return h.compute
+                if h.busy is not None:
+                    h.busy.wait()
+                return h.compute.clone()
+            if not p.host_cache.nvme_home(u):
+                return None
+            p.host_cache.settle_write_back(u)
+        return p.host_cache.read_nvme_home(u)
 
     def read_compute(self, u) -> Optional[torch.Tensor]:
         """``u``'s full compute copy as a CPU tensor (gathered under ZeRO-3)."""

@@ -227,31 +227,13 @@ class HostCache:
         if not self.nvme_home(u):
             return None
         self._settle_write_back(u)
-        return self._read_nvme_home(u)
+        return self.read_nvme_home(u)
 
-    def _read_nvme_home(self, u) -> torch.Tensor:
+    def read_nvme_home(self, u) -> torch.Tensor:
         """A temporary copy of ``u``'s NVMe compute copy (no write of it in flight)."""
         out = torch.empty(u.place.home_numel, dtype=self.modes.dtype)
         self.nvme.read(swap_key(u.index, "compute"), out).wait()
         return out
-
-    def read_detached(self, u) -> Optional[torch.Tensor]:
-        """:meth:`read_compute` for a reader on another thread while training
-        runs (see Values.read_detached in values.py): a copy cached in the pool is cloned
-        under the lock (once any read filling it is done), an NVMe home is
-        read into a temporary; a host home is returned as it is."""
-        h = u.host
-        with self.room.lock:
-            if h.compute is not None:
-                if h.buf is None:
-                    return h.compute
-                if h.busy is not None:
-                    h.busy.wait()
-                return h.compute.clone()
-            if not self.nvme_home(u):
-                return None
-            self._settle_write_back(u)
-        return self._read_nvme_home(u)
 
     def store_compute(self, u, home: torch.Tensor) -> None:
         """Writes ``home`` as ``u``'s NVMe compute copy now (values loaded

@@ -18,7 +18,7 @@ is active (pushed by the unit's forward pre-hook, popped by its forward hook):
   before ours (the user's, e.g. ``save_on_cpu``), or is kept as a detached alias
   with its version, checked on unpack as autograd itself would.
 - unpack: the unit is made resident (fetched if it was evicted; see
-  ``Engine.ensure_for_unpack``) and the view is rebuilt on its current range.
+  ``Residency.ensure_for_unpack``) and the view is rebuilt on its current range.
 
 Hooks turn off autograd's own version check, so it is redone here: a
 parameter whose version changed after it was saved raises torch's error. The
@@ -27,7 +27,7 @@ update, ``load_pretrained``; see ``Engine.values_changed``), so a
 ``retain_graph`` backward after ``optimizer.step()`` raises as in torch. Inside ``torch.utils.checkpoint`` regions no hooks are pushed:
 checkpoint matches saved tensors by count between forward and recomputation,
 and the engine keeps a recomputed unit in place until its backward is done
-instead (see ``Engine.begin_recompute``). Root and external units never move
+instead (see ``Residency.begin_recompute``). Root and external units never move
 during a pass, and permanent units never move at all, so no hooks are needed
 for them.
 """
