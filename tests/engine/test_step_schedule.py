@@ -49,7 +49,7 @@ class Updater:
     def run(self, u, grad, written, out, scale, live, hyper=None):
         gate = self.gates.get(u.index)
         if gate is not None:
-            assert gate.wait(10), "gate never opened"
+            assert gate.wait(5), "gate never opened"
         out[:u.place.trainable_numel].sub_(grad * scale)
         self.calls.append((u.index, scale, threading.current_thread().name.startswith("infinity-host")))
 
@@ -111,12 +111,13 @@ def build():
         updater = Updater()
         scaling = Scaling(config, sharding, grads, lambda u, w, g: [(0, g.numel())], stats)
         sched = make_schedule(parts, updater, overlap, 2, early_ok=not scaling.waits_for_step)
-        made.append((mover, room))
+        made.append((mover, room, updater))
         homes = [u.host.compute.clone() for u in units]
         return sched, parts, updater, scaling, homes, (fenced, changed)
 
     yield make
-    for mover, room in made:
+    for mover, room, updater in made:
+        updater.open()  # a failed test may leave updates held
         mover.synchronize()
         mover.close()
         room.close()
