@@ -9,7 +9,7 @@ world-of-one Sharding, Stats, and a python-backend NvmeTier in tmp_path."""
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import infinity
 from infinity.engine.faults import UsageError
@@ -171,7 +171,7 @@ def test_sum_of_squares_matches_torch_norm(made):
     backward(grads, spilled)
     want = torch.linalg.vector_norm(torch.cat([held.grads.grad, spilled.grads.grad]).double()) ** 2
     grads.spill(spilled)
-    whole = lambda u, written, g: [(0, g.numel())]  # noqa: E731
+    whole = lambda u, written, g: [(0, g.numel())]
     got = grads.sum_of_squares([(held, held.grads.grad, held.grads.written), (spilled, None, spilled.grads.written)],
                                whole)
     assert got == pytest.approx(float(want), rel=1e-6)
