@@ -5,6 +5,8 @@ parameters' ``.data`` point, the pins and the state transitions (plan/state.py).
 
 Faked: the host cache (``source``) and, once, an NVMe read ticket."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn as nn
@@ -51,12 +53,15 @@ class Source:
 
 
 class Read:
-    """A fake NVMe read: fills the host copy only when waited on (the fetch must wait first)."""
+    """A fake NVMe read: fills the host copy only when waited on (the fetch must
+    wait first), after ``gate`` is set if given (a slow disk)."""
 
-    def __init__(self, dst, values):
-        self.dst, self.values, self.waited = dst, values, False
+    def __init__(self, dst, values, gate=None):
+        self.dst, self.values, self.gate, self.waited = dst, values, gate, False
 
     def wait(self):
+        if self.gate is not None:
+            assert self.gate.wait(10)
         self.dst.copy_(self.values)
         self.waited = True
 
@@ -214,11 +219,16 @@ def test_prefetch_fetching_state_and_eviction_while_fetching(parts):
         res.evict_unpinned()
     trace.begin_pass("train")
     fetches, prefetches = stats.fetches, stats.prefetches
+    gate = threading.Event()  # b2's read is slow: its copy is still to come when it is evicted
+    source.reads[2] = Read(source.homes[2], source.homes[2].clone(), gate)
     res.fetch(b1)
     assert b2.dev.state is FETCHING and b2.dev.pins == 0 and stats.prefetches == prefetches + 1  # not waited
     assert stats.fetches == fetches + 1
+    ticket = source.log[-1][2]
+    assert source.log[-1][:2] == (2, FETCHING) and not ticket.done()
+    threading.Timer(0.2, gate.set).start()
     res.evict(b2)  # FETCHING -> ABSENT: waits for the copy still writing into the range
-    assert b2.dev.state is ABSENT and b2.dev.ticket is None
+    assert ticket.done() and b2.dev.state is ABSENT and b2.dev.ticket is None
     res.fetch(b2)
     assert stats.fetches == fetches + 2
     assert_resident_bytes(res, b2, source.homes[2])

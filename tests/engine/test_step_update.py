@@ -99,8 +99,9 @@ def test_three_steps_match_torch_adamw(dtype, wd, frozen):
     out = torch.full((n,), 7.0, dtype=modes.dtype)  # the compute copy written by the update (its home)
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
-        # Step 2 leaves lin.bias without a gradient: torch skips it, so must the update.
-        skip = {"blocks.0.lin.bias"} if step == 1 else set()
+        # Step 2 leaves two slots without a gradient, the first of its group's run and one inside
+        # it (norm.weight: the run of lin.weight must stop before it): torch skips them, so must the update.
+        skip = {"blocks.0.lin.bias", "blocks.0.norm.weight"} if step == 1 else set()
         written = [s.name not in skip for s in slots]
         g = {s.name: torch.randn(s.shape, generator=gen).to(modes.grad_dtype).float()
              for s in slots if s.name not in skip}
