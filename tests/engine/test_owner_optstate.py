@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import infinity
-from infinity.engine.mechanism.nvme import NvmeTier, key
+from infinity.engine.mechanism.nvme import NvmeTier
 from infinity.engine.mechanism.zero import Sharding
 from infinity.engine.owners.optstate import KINDS, OptimizerState
 from infinity.engine.plan.placement import modes_of, place_unit

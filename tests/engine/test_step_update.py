@@ -116,7 +116,8 @@ def test_three_steps_match_torch_adamw(dtype, wd, frozen):
             if s.name in g:
                 gi = 0 if s.group == 0 else 1
                 m, ea, eas = kref[s.name]
-                adamw_step_([m], [g[s.name].reshape(-1)], [ea], [eas], step=s.step, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                adamw_step_([m], [g[s.name].reshape(-1)], [ea], [eas], step=s.step, lr=LR, beta1=BETAS[0],
+                            beta2=BETAS[1], eps=EPS,
                             weight_decay=groups[gi]["weight_decay"])
         # Step counts, per slot, as torch keeps them.
         for s in slots:
