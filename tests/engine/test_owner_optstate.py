@@ -4,7 +4,7 @@ host buffers, checked in, read ahead and discarded. Bytes round-trip exactly
 (compared as int32, so any bit pattern counts) and every state is the one
 plan/state.py allows.
 
-Faked: the host cache (the buffers the checked-out state lives in)."""
+Faked: the host pool (the buffers the checked-out state lives in)."""
 
 import threading
 
@@ -30,17 +30,18 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
 
 
-class Cache:
-    """Stands in for the host cache. For units whose master is not aliased to
-    the compute copy, OptimizerState uses exactly: ``lock``; ``acquire(numel,
-    dtype, zero=, protect=)`` -> (tensor, buffer handle); ``defer_release(write
-    handle, buffer)``; ``tier.release(buffer)``, ``tier.free_bytes``;
-    ``release_finished(block=)``. Buffers not zeroed start NaN, so a read that
-    did not happen shows."""
+class Room:
+    """Stands in for the shared host pool (mechanism/host_room.py). For units
+    whose master is not aliased to the compute copy, OptimizerState uses
+    exactly: ``lock``; ``acquire(numel, dtype, zero=, protect=)`` -> (tensor,
+    buffer handle); ``defer_release(write handle, buffer)``;
+    ``release(buffer)``, ``free_bytes``; ``release_finished(block=)``,
+    ``wait_deferred()``. Buffers not zeroed start NaN, so a read that did not
+    happen shows. (The host cache itself is used only for aliased masters.)"""
 
     def __init__(self):
         self.lock = threading.RLock()
-        self.tier, self.free_bytes = self, 1 << 30
+        self.free_bytes = 1 << 30
         self.live, self.next = {}, 0
 
     def acquire(self, numel, dtype, zero=False, protect=None):
@@ -57,6 +58,9 @@ class Cache:
         del self.live[buf]  # a buffer given back twice raises
 
     def release_finished(self, block=True):
+        pass
+
+    def wait_deferred(self):
         pass
 
 
@@ -81,7 +85,7 @@ def same(a, b):
 
 def test_resident():
     units, modes = placed("host")
-    opt = OptimizerState(units, modes, None, None, Sharding(0, Stats()))  # resident: no cache, no NVMe
+    opt = OptimizerState(units, modes, None, None, None, Sharding(0, Stats()))  # resident: no pool, no NVMe
     u = units[1]
     assert u.opt.state is OptState.NONE and opt.read(u, "master") is None
     tn = u.place.trainable_numel
@@ -109,8 +113,8 @@ def nvme_parts(tmp_path):
     units, modes = placed("nvme")
     stats = Stats()
     nvme = NvmeTier([str(tmp_path)], 1 << 20, stats, block_size=65536, backend="python")
-    cache = Cache()
-    opt = OptimizerState(units, modes, cache, nvme, Sharding(0, stats))
+    cache = Room()
+    opt = OptimizerState(units, modes, cache, None, nvme, Sharding(0, stats))
     yield units, opt, cache, nvme, stats
     nvme.close()
 

@@ -59,7 +59,7 @@ def setup(dtype, wd, frozen=False):
         u.place = place_unit(u.layout, modes)
     u = units[1]
     stats = Stats()
-    opt = OptimizerState(units, modes, None, None, Sharding(0, stats))  # resident: no cache, no NVMe
+    opt = OptimizerState(units, modes, None, None, None, Sharding(0, stats))  # resident: no pool, no NVMe
     tn = u.place.trainable_numel
     master = torch.zeros(tn)
     for s in u.layout.trainable_slots:
