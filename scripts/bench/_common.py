@@ -30,15 +30,6 @@ def rss_bytes(field: str = "VmHWM") -> int:
     return status_kib(field) * 1024
 
 
-def reset_peak() -> None:
-    """Resets VmHWM to the current RSS, where the kernel lets this process."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
 def run_json_child(script: str, args: list, env: dict | None = None) -> tuple[dict | None, subprocess.CompletedProcess]:
     """Runs ``python script *args`` to its end, output captured; returns (the
     JSON object on its last line of stdout, or None when it failed, the

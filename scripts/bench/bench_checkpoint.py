@@ -43,7 +43,8 @@ from infinity.api import engine_of  # noqa: E402
 from infinity.checkpoint import layout  # noqa: E402
 from infinity.checkpoint.plan import plan_checkpoint  # noqa: E402
 from infinity.models import GPT, GPTConfig  # noqa: E402
-from _common import reset_peak, rss_bytes  # noqa: E402
+from _common import rss_bytes  # noqa: E402
+from infinity.system.sysinfo import reset_peak_rss  # noqa: E402
 
 BLOCK, DEPTH = 8 << 20, 8
 
@@ -136,7 +137,7 @@ def background_cost(m, o, ck: str, steps: int) -> dict:
 
 
 def timed(fn):
-    reset_peak()
+    reset_peak_rss()
     base = rss_bytes("VmRSS")
     t = time.perf_counter()
     out = fn()

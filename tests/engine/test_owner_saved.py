@@ -63,14 +63,19 @@ def setup():
     return SavedTensorRouter(res, {id(param): (u, 0)}, faults), res, u, param, faults
 
 
-def test_a_saved_view_follows_its_unit_to_another_range():
-    router, res, u, param, faults = setup()
+def linear_saved(router, param):
+    """(x, y = x @ param.T) with the router's hooks on: the weight is saved as an arena view, x as itself."""
     x = torch.randn(3, 8, requires_grad=True)
     assert router.push()
     try:
-        y = torch.nn.functional.linear(x, param)  # saves weight (an arena view) and x (not one)
+        return x, torch.nn.functional.linear(x, param)
     finally:
         router.pop()
+
+
+def test_a_saved_view_follows_its_unit_to_another_range():
+    router, res, u, param, faults = setup()
+    x, y = linear_saved(router, param)
     u.moved = True  # evicted and fetched into the other half before backward
     y.sum().backward()
     expected = torch.ones(3, 8) @ torch.arange(N, dtype=torch.float32).view(8, 8)  # dy/dx = 1 @ W
@@ -80,12 +85,7 @@ def test_a_saved_view_follows_its_unit_to_another_range():
 
 def test_a_parameter_changed_after_saving_raises_torchs_error():
     router, res, u, param, _ = setup()
-    x = torch.randn(3, 8, requires_grad=True)
-    router.push()
-    try:
-        y = torch.nn.functional.linear(x, param)
-    finally:
-        router.pop()
+    x, y = linear_saved(router, param)
     with torch.no_grad():
         param.mul_(2)  # a version bump, as an update does
     with pytest.raises(UsageError, match=r"parameter 'blocks.0.weight' \(unit 'blocks.0'\) is at version"):
@@ -94,12 +94,7 @@ def test_a_parameter_changed_after_saving_raises_torchs_error():
 
 def test_a_failed_refetch_goes_through_the_faults_guard():
     router, res, u, param, faults = setup()
-    x = torch.randn(3, 8, requires_grad=True)
-    router.push()
-    try:
-        y = torch.nn.functional.linear(x, param)
-    finally:
-        router.pop()
+    x, y = linear_saved(router, param)
     res.fail = True
     with pytest.raises(OSError, match="injected"):
         y.sum().backward()
