@@ -95,14 +95,11 @@ Writes under --dir (default ./infinity-swap/bench) and deletes its files at the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import os
 import random
 import shutil
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -115,152 +112,10 @@ import torch  # noqa: E402
 from infinity.io import HostPool, SwapStore  # noqa: E402
 from infinity.io.engine import crc32c, key_sums, native_available  # noqa: E402
 from _common import run_json_child, write_json  # noqa: E402
+from io_report import (checksum_price, deepspeed_ratios, judge, print_throughput, summarize)  # noqa: E402
+from io_baselines import (gbps, fio_run, pyraw_run, aiofiles_run, ds_aio_handle, ds_aio_run, raw_extents)  # noqa: E402
 
 MiB = 1 << 20
-# Figures judged against the targets: write_over has the store take the sums,
-# write_over_sums gets them from the producer, as the optimizer's write-back does.
-TARGET_METRICS = ("write_fresh", "write_over", "write_over_sums", "read", "read_plain", "write_plain")
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
-# ---- raw baseline -----------------------------------------------------------------------
-
-
-def fio_run(path: str, rw: str, size: int, bs: int, depth: int, jobs: int = 1) -> float:
-    # jobs > 1: each job takes its own contiguous 1/jobs of the file.
-    part = size // jobs
-    cmd = ["fio", "--name=raw", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={depth}",
-           "--direct=1", "--ioengine=io_uring", f"--size={part}", f"--offset_increment={part}",
-           "--output-format=json", f"--numjobs={jobs}", "--group_reporting=1", "--end_fsync=0"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
-    return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
-
-
-def pyraw_run(path: str, rw: str, size: int, bs: int, depth: int, jobs: int = 1,
-              mem: Optional[memoryview] = None) -> float:
-    """O_DIRECT thread pool of pread/pwrite, no checksums: the best case of
-    the engine's own method, measured like fio. Its ``depth`` buffers are
-    slices of ``mem`` (4 KiB-aligned, huge pages, at least ``depth * bs``
-    bytes): see [Note: warm memory] for why not fresh ones. ``jobs`` is
-    fio_run's argument, taken so both share one call; the pool is always one
-    job of ``depth`` threads."""
-    if mem is None or len(mem) < depth * bs:
-        raise ValueError(f"pyraw_run needs {depth} x {bs} bytes of buffer memory")
-    bufs = [mem[i * bs:(i + 1) * bs] for i in range(depth)]
-    flags = os.O_RDWR | os.O_CREAT | os.O_DIRECT
-    fd = os.open(path, flags, 0o600)
-    if rw == "write" and os.fstat(fd).st_size < size:
-        os.posix_fallocate(fd, 0, size)
-    dt = thread_pool_io([(fd, off, bufs[i % depth]) for i, off in enumerate(range(0, size, bs))], rw, depth)
-    os.close(fd)
-    return gbps(size, dt)
-
-
-def thread_pool_io(jobs, rw: str, depth: int) -> float:
-    """Seconds for ``depth`` threads to pwrite (rw="write") or preadv each
-    ``(fd, offset, buffer)`` job: the raw O_DIRECT method of this script."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(job):
-        fd, off, b = job
-        if rw == "write":
-            os.pwrite(fd, b, off)
-        else:
-            os.preadv(fd, [b], off)
-
-    t = time.perf_counter()
-    with ThreadPoolExecutor(depth) as ex:
-        list(ex.map(one, jobs))
-    return time.perf_counter() - t
-
-
-# ---- aiofiles ----------------------------------------------------------------------------
-
-
-def aiofiles_run(path: str, data: bytes, size: int, bs: int) -> tuple:
-    import aiofiles
-
-    async def write():
-        async with aiofiles.open(path, "r+b" if os.path.exists(path) else "wb") as f:
-            for off in range(0, size, bs):
-                await f.write(data)
-            await f.flush()
-            os.fsync(f.fileno())
-
-    async def read():
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold read: drop this file's cached pages
-        os.close(fd)
-        async with aiofiles.open(path, "rb") as f:
-            while await f.read(bs):
-                pass
-
-    t = time.perf_counter()
-    asyncio.run(write())
-    w = gbps(size, time.perf_counter() - t)
-    t = time.perf_counter()
-    asyncio.run(read())
-    r = gbps(size, time.perf_counter() - t)
-    return w, r
-
-
-# ---- DeepSpeed AIO (the reference system), where installed -----------------------------------
-
-
-def ds_aio_handle():
-    """DeepSpeed's async I/O op in its best configuration measured on these
-    machines (1 MiB blocks, queue depth 32, two threads), or None when
-    DeepSpeed (or its AIO op: libaio) is not available."""
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-        b = AsyncIOBuilder()
-        if not b.is_compatible(verbose=False):
-            return None
-        return b.load(verbose=False).aio_handle(1 * MiB, 32, False, True, 2)
-    except Exception as exc:  # not installed, or its JIT build failed
-        print(f"[bench_io] DeepSpeed AIO not measured: {exc!r}"[:200], file=sys.stderr)
-        return None
-
-
-def ds_aio_run(handle, path: str, size: int, t: torch.Tensor) -> dict:
-    """Fresh write, overwrite and read of one file by DeepSpeed AIO, from ``t``:
-    its own page-locked tensor, or an ordinary tensor (its bounce path). Both
-    are allocated once and reused over rounds, like the store's buffers
-    ([Note: warm memory])."""
-    res = {}
-    try:
-        for name, fn in [("write_fresh", lambda: handle.sync_pwrite(t, path)),
-                         ("write_over", lambda: handle.sync_pwrite(t, path)),
-                         ("read", lambda: handle.sync_pread(t, path))]:
-            start = time.perf_counter()
-            fn()
-            res[name] = gbps(size, time.perf_counter() - start)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-    return res
-
-
-# ---- store -----------------------------------------------------------------------------------
-
-
-def raw_extents(pieces, rw: str, bs: int, depth: int, mem: memoryview) -> float:
-    """O_DIRECT pread/pwrite of exactly the store's extents ((path, offset,
-    nbytes, rel) pieces) by a pool of ``depth`` threads in ``bs`` blocks, to
-    and from the same pool buffer the store uses (``mem``, byte ``rel`` of
-    the key), no checksums: the raw disk on the same file, region, data
-    freshness and memory as the store's transfer it is compared with."""
-    fds = {p: os.open(p, os.O_RDWR | os.O_DIRECT) for p in {p[0] for p in pieces}}
-    jobs = [(fds[p], off + a, mem[rel + a:rel + min(n, a + bs)]) for p, off, n, rel in pieces for a in range(0, n, bs)]
-    total = sum(len(j[2]) for j in jobs)
-    dt = thread_pool_io(jobs, rw, depth)
-    for fd in fds.values():
-        os.close(fd)
-    return gbps(total, dt)
 
 
 def store_run(dirs, backend, bs, qd, size, pool_buf, plain, checksum: bool = True) -> dict:
@@ -317,28 +172,6 @@ def store_run(dirs, backend, bs, qd, size, pool_buf, plain, checksum: bool = Tru
             s.write("k", plain).wait()
             res["write_plain_same"] = gbps(size, time.perf_counter() - t)
     return res
-
-
-def checksum_price(med: dict, default: str) -> Optional[dict]:
-    """[Note: the checksum's price] figures from the medians (GB/s): the
-    default store with and without checksums, and the CRC32C pass alone;
-    printed, and returned for the JSON (None when not measured)."""
-    on, off = med.get(default), med.get(default + "-nosum")
-    if not on or not off or "crc_pass" not in off:
-        return None
-    u, k = off["write_over"], off["crc_pass"]
-    p = {"overwrite_unchecked": u, "crc_pass": k, "serial_model": 1 / (1 / u + 1 / k),
-         "overwrite_store_sums": on["write_over"], "overwrite_producer_sums": on.get("write_over_sums"),
-         "fresh_unchecked": off["write_fresh"], "fresh_store_sums": on["write_fresh"]}
-    print(f"\nThe checksums' price ({default}, GB/s): overwrites without checksums {u:.2f}, a CRC32C pass alone "
-          f"{k:.2f}; the two one after the other would give {p['serial_model']:.2f}. With the store's sums "
-          f"{on['write_over']:.2f} ({on['write_over'] / u:.2f} of unchecked, {on['write_over'] / p['serial_model']:.2f} "
-          f"of the serial model)"
-          + (f", with the producer's {p['overwrite_producer_sums']:.2f} ({p['overwrite_producer_sums'] / u:.2f})"
-             if p["overwrite_producer_sums"] else "")
-          + f". Fresh writes: {on['write_fresh']:.2f} with sums, {off['write_fresh']:.2f} without "
-          f"({on['write_fresh'] / off['write_fresh']:.2f}).")
-    return {k2: round(v, 3) for k2, v in p.items() if v is not None}
 
 
 def thp_child(root: Path, size: int) -> int:
@@ -513,104 +346,6 @@ def run_rounds(cases: Cases, steps: list, rounds: int) -> float:
     finally:
         cases.close()
     return t0
-
-
-def summarize(samples: dict) -> tuple:
-    """(medians, best raw figure per metric, ratios to it, paired ratios on the same extents)."""
-    med = {c: {m: statistics.median(v) for m, v in ms.items()} for c, ms in samples.items()}
-    best_raw = {}
-    for c, ms in med.items():
-        if c.startswith("raw/"):
-            for m, v in ms.items():
-                best_raw[m] = max(best_raw.get(m, 0.0), v)
-    # Plain-tensor transfers are compared with the raw figure of the same direction.
-    ref = {"write_fresh": "write_fresh", "write_over": "write_over", "write_over_sums": "write_over", "read": "read",
-           "read_plain": "read", "write_plain": "write_over"}
-    ratios = {c: {m: round(v / best_raw[ref[m]], 3) for m, v in ms.items() if ref.get(m) in best_raw}
-              for c, ms in med.items() if not c.startswith("raw/")}
-    # Paired: the store against raw O_DIRECT on its own extents, run just before
-    # it (same file, region and data freshness; median of per-round ratios).
-    paired = {}
-    for c, ms in samples.items():
-        for m in ("read", "write", "write_sums", "write_plain"):
-            a, b = ms.get(f"{m}_same"), ms.get(f"raw_same_{m}")
-            if a and b:
-                paired.setdefault(c, {})[m] = round(statistics.median(x / y for x, y in zip(a, b)), 3)
-    return med, best_raw, ratios, paired
-
-
-def print_throughput(med: dict, ratios: dict, paired: dict, rounds: int, size: int) -> None:
-    metrics = ["write_fresh", "write_over", "write_over_sums", "read", "read_plain", "write_plain"]
-    print(f"\nSequential throughput, GB/s (median of {rounds}; {size // MiB} MiB per transfer; "
-          f"ratio to the best raw figure in brackets)")
-    print(f"{'case':42s}" + "".join(f"{m:>18s}" for m in metrics))
-    for c in med:
-        row = f"{c:42s}"
-        for m in metrics:
-            v = med[c].get(m)
-            if v is None:
-                row += f"{'-':>18s}"
-            elif c.startswith("raw/"):
-                row += f"{v:18.2f}"
-            else:
-                row += f"{v:10.2f} ({ratios[c][m]:.2f})"
-        print(row)
-    print("\nPaired with raw O_DIRECT on the store's own extents (same file, region and data freshness): "
-          "store / raw, median of per-round ratios")
-    for c, ms in paired.items():
-        print(f"{c:42s}" + "".join(f"{m:>13s} {v:.2f}" for m, v in ms.items()))
-
-
-def deepspeed_ratios(med: dict) -> dict:
-    """Each store case / DeepSpeed AIO in the same run, printed where measured."""
-    vs_ds = {}
-    for c, ms in med.items():
-        if c.startswith("store/"):
-            for m, ref_case, ref_m in (("write_fresh", "locked", "write_fresh"), ("write_over", "locked", "write_over"),
-                                       ("write_over_sums", "locked", "write_over"),
-                                       ("read", "locked", "read"), ("read_plain", "plain", "read"),
-                                       ("write_plain", "plain", "write_over")):
-                d = med.get(f"deepspeed-aio/bs1M-qd32-t2-{ref_case}", {}).get(ref_m)
-                if d and m in ms:
-                    vs_ds.setdefault(c, {})[m] = round(ms[m] / d, 2)
-    if vs_ds:
-        print("\nAgainst DeepSpeed AIO in the same run (store / DeepSpeed; pool buffers against its locked "
-              "tensors, plain tensors against plain tensors)")
-        for c, ms in vs_ds.items():
-            print(f"{c:42s}" + "".join(f"{m:>12s} {v:.2f}" for m, v in ms.items()))
-    return vs_ds
-
-
-def judge(ratios: dict, vs_ds: dict, paired: dict, default: str) -> tuple:
-    """(targets, checks, the noise-floor case or None), printed.
-
-    The targets, judged on the store as the engine configures it (Config's
-    defaults: io_uring, 8 MiB blocks, queue depth 16, one path): the issue's
-    (against the best raw figure and DeepSpeed's AIO), then stricter checks
-    of our own (against raw O_DIRECT on the same extents, just before)."""
-    rep = next((c for c in ratios if c.startswith("repeat/")), None)  # [Note: the noise floor]
-    verdict, extra = {}, {}
-    if default in ratios:
-        thp = default + "-thp"  # plain tensors from torch's allocator with THP_MEM_ALLOC_ENABLE=1 (docs/io.md)
-        groups = [
-            (f"Targets ({default}): >= 0.90 of the best raw figure; >= 1.0 of DeepSpeed AIO where measured", verdict,
-             [(f"{m} / best raw", ratios[default].get(m), 0.9) for m in TARGET_METRICS]
-             + [(f"{m} / DeepSpeed AIO", vs_ds.get(default, {}).get(m), 1.0) for m in TARGET_METRICS]),
-            ("Checks beyond the targets: >= 0.90 of raw O_DIRECT on the same extents, measured just before", extra,
-             [(f"{m} / raw same extents", paired.get(default, {}).get(m), 0.9)
-              for m in ("read", "write", "write_sums", "write_plain")]
-             + [("write_plain (torch THP) / raw same extents", paired.get(thp, {}).get("write_plain"), 0.9)]),
-        ]
-        for title, into, checks in groups:
-            print(f"\n{title}")
-            for name, v, need in checks:
-                if v is not None:
-                    into[name] = {"ratio": v, "target": need, "met": v >= need}
-                    print(f"  {name:42s} {v:6.2f}  {'met' if v >= need else 'MISSED'} (>= {need})")
-        if rep:
-            print(f"  noise floor ({rep[7:]} measured again in each round, / best raw): "
-                  + ", ".join(f"{m} {v:.2f}" for m, v in ratios[rep].items()))
-    return verdict, extra, rep
 
 
 def main() -> int:
