@@ -18,7 +18,7 @@ from infinity.engine.mechanism.tiers import BudgetError, DeviceTier
 from infinity.engine.mechanism.zero import Sharding
 from infinity.engine.owners.residency import Residency
 from infinity.engine.plan.placement import modes_of, place_unit
-from infinity.engine.plan.state import DeviceState, Quiet
+from infinity.engine.plan.state import DeviceState, IllegalTransition, Quiet
 from infinity.engine.plan.trace import Trace
 from infinity.engine.plan.units import build_units
 from infinity.engine.stats import Stats
@@ -264,3 +264,8 @@ def test_invalidate_drops_unpinned_copies_and_refreshes_permanent_ones(parts):
     assert_resident_bytes(res, b1, source.homes[1])
     with pytest.raises(AssertionError):
         res.evict(b1)  # lives on the device for good
+    # An illegal transition (plan/state.py: RESIDENT -> FETCHING) raises, naming the unit; the state stands.
+    with pytest.raises(IllegalTransition, match="unit 'blocks.0': illegal device transition resident -> fetching"):
+        res.place_permanent(b1, originals)
+    assert b1.dev.state is RESIDENT
+    assert_resident_bytes(res, b1, source.homes[1])
