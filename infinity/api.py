@@ -19,7 +19,7 @@ from .engine.step.optimizer import InfinityOptimizer
 from .engine.model.param_guard import ParamGuard
 from .engine.model.state_dict import install_model_methods, install_state_dict_hooks, remove_model_methods
 from .engine.model.torch_guards import install_torch_guards
-from .optim.functional import check_hyperparameters
+from .optim.functional import group_hyper
 from .system.signals import install_sigterm_handler
 
 __all__ = ["initialize", "stats", "full_state_dict", "engine_of", "close"]
@@ -117,7 +117,7 @@ def _defaults(optimizer_kwargs: Dict[str, Any]) -> Dict[str, Any]:
     defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, adamw_mode=True)
     defaults.update(optimizer_kwargs)
     defaults["betas"] = tuple(defaults["betas"])
-    check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
+    group_hyper(defaults, "initialize")
     return defaults
 
 
@@ -177,7 +177,7 @@ def _build_group(gi: int, g: dict, defaults: Dict[str, Any], seen: set) -> dict:
     grp = dict(defaults)
     grp.update({k: v for k, v in g.items() if k != "params"})
     grp["betas"] = tuple(grp["betas"])
-    check_hyperparameters(grp["lr"], grp["betas"], grp["eps"], grp["weight_decay"])
+    group_hyper(grp, f"initialize: param_groups[{gi}]")
     grp["params"] = ps
     return grp
 

@@ -131,6 +131,8 @@ class Engine:
             self.end_pass()
         if self.schedule is not None and self.schedule.updates_in_flight():
             raise self.grads.forward_error()
+        if grad and self.optimizer is not None:
+            self.optimizer.check_groups()  # before its backward may start updates
         self._in_pass, self.pass_grad = True, grad
         self.trace.begin_pass("train" if grad else "infer")
         if self._relayout or self.units[0].dev.state is DeviceState.ABSENT:

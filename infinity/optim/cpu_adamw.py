@@ -7,7 +7,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from ..system import native
-from .functional import adamw_step_, check_hyperparameters
+from .functional import adamw_step_, group_hyper
 
 __all__ = ["CPUAdamW"]
 
@@ -50,14 +50,15 @@ class CPUAdamW(torch.optim.Optimizer):
     ) -> None:
         if isinstance(lr, torch.Tensor):
             lr = float(lr)
-        check_hyperparameters(lr, betas, eps, weight_decay)
+        group_hyper(dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), "CPUAdamW")
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"Invalid num_threads: {num_threads!r} (must be a positive int or None)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw_mode=bool(adamw_mode), num_threads=num_threads,
-                        # Keys torch.optim.AdamW's loader expects when it reads our state dict.
+                        # torch's keys, so state dicts move both ways; maximize and
+                        # decoupled_weight_decay are honoured, the others refused when on.
                         amsgrad=False, maximize=False, foreach=None, capturable=False,
-                        differentiable=False, fused=None)
+                        differentiable=False, fused=None, decoupled_weight_decay=bool(adamw_mode))
         super().__init__(params, defaults)
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -78,12 +79,19 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        # Groups loaded from a torch.optim.AdamW/Adam state dict lack our keys.
+        # Groups loaded from a torch.optim.AdamW/Adam state dict lack our keys:
+        # torch's decoupled_weight_decay says which (an Adam state goes on as Adam).
         for group in self.param_groups:
-            group.setdefault("adamw_mode", self.defaults.get("adamw_mode", True))
+            dec = group.get("decoupled_weight_decay")
+            group.setdefault("adamw_mode", self.defaults.get("adamw_mode", True) if dec is None else bool(dec))
+            group.setdefault("decoupled_weight_decay", group["adamw_mode"])
             group.setdefault("num_threads", self.defaults.get("num_threads"))
 
     def add_param_group(self, param_group: dict) -> None:
+        # A group naming one of the two names of the decay mode sets both (not the default for the other).
+        for mine, theirs in (("adamw_mode", "decoupled_weight_decay"), ("decoupled_weight_decay", "adamw_mode")):
+            if mine in param_group and theirs not in param_group:
+                param_group[theirs] = bool(param_group[mine])
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         for pi, p in enumerate(self.param_groups[-1]["params"]):
@@ -96,12 +104,9 @@ class CPUAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, group in enumerate(self.param_groups):
-            lr = group["lr"]
-            if isinstance(lr, torch.Tensor):
-                lr = float(lr)
-            beta1, beta2 = group["betas"]
-            check_hyperparameters(lr, (beta1, beta2), group["eps"], group["weight_decay"])
+        # Every group is checked before any parameter changes.
+        hypers = [group_hyper(g, f"CPUAdamW param_groups[{gi}]") for gi, g in enumerate(self.param_groups)]
+        for gi, (group, h) in enumerate(zip(self.param_groups, hypers)):
             # Tensors that stepped equally often share bias corrections: one
             # native call per distinct step count (normally exactly one).
             buckets: dict = {}
@@ -136,8 +141,7 @@ class CPUAdamW(torch.optim.Optimizer):
                 bucket[2].append(state["exp_avg"])
                 bucket[3].append(state["exp_avg_sq"])
             for step, (ps, gs, ms, vs) in buckets.items():
-                adamw_step_(ps, gs, ms, vs, step=step, lr=float(lr), beta1=float(beta1), beta2=float(beta2),
-                            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                            adamw_mode=group.get("adamw_mode", True), num_threads=group.get("num_threads"),
-                            validate=False)
+                adamw_step_(ps, gs, ms, vs, step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                            weight_decay=h.weight_decay, adamw_mode=h.adamw_mode, grad_scale=h.sign,
+                            num_threads=group.get("num_threads"), validate=False)
         return loss

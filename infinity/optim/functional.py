@@ -14,14 +14,14 @@ from __future__ import annotations
 import array
 import ctypes
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import NamedTuple, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..system import native
 from ..io.engine import chunk_count
 
-__all__ = ["adamw_step_", "check_hyperparameters"]
+__all__ = ["group_hyper", "Hyper", "adamw_step_", "check_hyperparameters"]
 
 _GRAD_DT = {torch.float32: native.DT_F32, torch.bfloat16: native.DT_BF16, torch.float16: native.DT_F16}
 _OUT_DT = _GRAD_DT
@@ -40,6 +40,70 @@ def check_hyperparameters(lr: float, betas: Sequence[float], eps: float, weight_
             raise ValueError(f"Invalid beta{i + 1} (betas[{i}]): {b!r} (must be in [0, 1))")
     if not (isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0.0):
         raise ValueError(f"Invalid weight_decay: {weight_decay!r} (must be a finite float >= 0)")
+
+
+class Hyper(NamedTuple):
+    """One param group's AdamW hyper-parameters as the kernel takes them."""
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool   # decoupled weight decay (AdamW); False: L2 added to the gradient (Adam)
+    sign: float        # -1.0 with maximize=True: the gradient is negated, as torch does
+
+
+# torch.optim.Adam/AdamW group keys infinity's AdamW has no counterpart for,
+# with what to do instead. A group that turns one on is refused, never ignored.
+_REFUSED = {
+    "amsgrad": "infinity's AdamW has no AMSGrad variant (it keeps no max of exp_avg_sq); set amsgrad=False",
+    "capturable": "infinity's CPU AdamW is not captured in CUDA graphs; set capturable=False",
+    "differentiable": "infinity's AdamW step is not differentiable; set differentiable=False",
+}
+
+
+def _number(v, what: str) -> float:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"Invalid {what}: a tensor of {v.numel()} elements (must be one number)")
+        return float(v)
+    return v
+
+
+def group_hyper(group: dict, where: str = "param group") -> Hyper:
+    """The hyper-parameters of a torch param group (``lr``, ``betas``,
+    ``eps``, ``weight_decay``, and torch's ``maximize``,
+    ``decoupled_weight_decay``, or infinity's ``adamw_mode``), checked:
+    ValueError naming ``where`` and the key for a value out of range, for a
+    torch option infinity cannot honour (``amsgrad``, ``capturable``,
+    ``differentiable`` turned on), or for ``adamw_mode`` and
+    ``decoupled_weight_decay`` that disagree. ``foreach`` and ``fused`` only
+    choose torch's implementation and are ignored. One-element tensors are
+    read as numbers (torch accepts tensor ``lr`` and betas)."""
+    for key, why in _REFUSED.items():
+        if group.get(key):
+            raise ValueError(f"{where}: {key}={group[key]!r}: {why}")
+    betas = group["betas"]
+    if len(betas) != 2:
+        raise ValueError(f"{where}: Invalid betas: {betas!r} (must be a pair (beta1, beta2))")
+    h = Hyper(_number(group["lr"], "lr"), _number(betas[0], "beta1"), _number(betas[1], "beta2"),
+              _number(group["eps"], "eps"), _number(group["weight_decay"], "weight_decay"),
+              _adamw_mode(group, where), -1.0 if group.get("maximize") else 1.0)
+    try:
+        check_hyperparameters(h.lr, (h.beta1, h.beta2), h.eps, h.weight_decay)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return h
+
+
+def _adamw_mode(group: dict, where: str) -> bool:
+    """Decoupled weight decay: torch's ``decoupled_weight_decay`` (AdamW
+    True, Adam False) or infinity's ``adamw_mode``, which must agree when both are set."""
+    dec, mode = group.get("decoupled_weight_decay"), group.get("adamw_mode")
+    if dec is not None and mode is not None and bool(dec) != bool(mode):
+        raise ValueError(f"{where}: adamw_mode={mode!r} and decoupled_weight_decay={dec!r} disagree; set both "
+                         "(True: AdamW's decoupled decay, False: Adam's L2 decay)")
+    return bool(mode if mode is not None else (dec if dec is not None else True))
 
 
 def _check_buffer(t: torch.Tensor, what: str, i: int, numel: int, dtypes) -> None:

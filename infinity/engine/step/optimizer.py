@@ -21,7 +21,7 @@ import torch
 # usually before the process group exists, it does not.
 import torch._dynamo  # noqa: F401,E402
 
-from ...optim.functional import check_hyperparameters
+from ...optim.functional import group_hyper
 from ..faults import UsageError
 from .scaling import Scaling
 from .schedule import make_schedule
@@ -109,8 +109,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for g in self.param_groups:
-            check_hyperparameters(float(g["lr"]), g["betas"], g["eps"], g["weight_decay"])
+        self.check_groups()
         eng = self.engine
         had_grads = eng.grads.micro_batches > 0  # torch keeps them (p.grad) until zero_grad()
         with eng.faults.guard("optimizer.step()"):
@@ -121,6 +120,16 @@ class InfinityOptimizer(torch.optim.Optimizer):
         eng.after_step()
         eng.stats.end_step_window()
         return loss
+
+    def check_groups(self) -> None:
+        """Every param group's hyper-parameters, checked before anything
+        changes: at ``step()`` and when a pass with gradients starts (updates
+        may run during its backward). UsageError naming the group and key."""
+        for gi, g in enumerate(self.param_groups):
+            try:
+                group_hyper(g, f"optimizer.param_groups[{gi}]")
+            except ValueError as e:
+                raise UsageError(str(e)) from None
 
     def _warn_unscaled(self) -> None:
         if self.fp16 and self.loss_scale != 1.0 and not self._scaled and not self._warned_unscaled:
@@ -176,8 +185,11 @@ class InfinityOptimizer(torch.optim.Optimizer):
         eng = self.engine
         for u in eng.units:
             self._check_unit_state(u, per_param)
-        for g, s in zip(groups, saved):
-            g.update({k: v for k, v in s.items() if k != "params"})
+        merged = [_merged_group(g, s) for g, s in zip(groups, saved)]
+        for gi, m in enumerate(merged):  # refused before anything changes
+            group_hyper(m, f"load_state_dict: param_groups[{gi}]")
+        for g, m in zip(groups, merged):
+            g.update(m)
         for u in eng.units:
             if u.place.trainable:
                 self._load_unit(u, per_param)
@@ -227,3 +239,14 @@ class InfinityOptimizer(torch.optim.Optimizer):
             d["params"] = [index[id(p)] for p in g["params"]]
             groups.append(d)
         return {"state": state, "param_groups": groups}
+
+
+def _merged_group(group: dict, saved: dict) -> dict:
+    """``group``'s hyper-parameters after loading ``saved`` (params kept).
+    A torch state names the decay mode ``decoupled_weight_decay`` (an Adam
+    state: False, L2 decay): ``adamw_mode`` follows it."""
+    m = {k: v for k, v in group.items() if k != "params"}
+    m.update({k: v for k, v in saved.items() if k != "params"})
+    if "decoupled_weight_decay" in saved and "adamw_mode" not in saved:
+        m["adamw_mode"] = bool(saved["decoupled_weight_decay"])
+    return m

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...optim.functional import adamw_step_
+from ...optim.functional import adamw_step_, group_hyper
 from ..owners.optstate import KINDS
 
 __all__ = ["Updater", "runs", "written_runs"]
@@ -135,27 +135,26 @@ class Updater:
             outs = [out[a:b] for a, b in st]  # the home copy is the shard, trainable part first
         else:
             outs = [out[a:b] for a, b in ranges] if out is not None else None
+        h = group_hyper(g)  # checked by the optimizer's step() before any update
         if o.master.device.type == "cuda":
-            _device_step(ps, gs, ms, vs, step, g, grad_scale)
+            _device_step(ps, gs, ms, vs, step, h, grad_scale)
             return None
-        beta1, beta2 = g["betas"]
         take_sums = chunk is not None and len(st) == 1 and st[0] == (0, o.master.numel())
-        got = adamw_step_(ps, gs, ms, vs, step=step, lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2),
-                          eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
-                          adamw_mode=g.get("adamw_mode", True), grad_scale=grad_scale, outs=outs,
+        got = adamw_step_(ps, gs, ms, vs, step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                          weight_decay=h.weight_decay, adamw_mode=h.adamw_mode, grad_scale=grad_scale * h.sign,
+                          outs=outs,
                           num_threads=self.num_threads, validate=False,
                           sum_chunk_bytes=chunk if take_sums else None)
         return dict(zip(KINDS, got[0])) if got else None
 
 
-def _device_step(ps, gs, ms, vs, step: int, g: dict, grad_scale: float) -> None:
+def _device_step(ps, gs, ms, vs, step: int, h, grad_scale: float) -> None:
     """The same update on CUDA buffers with torch's fused AdamW."""
     if grad_scale != 1.0:
         torch._foreach_mul_(gs, grad_scale)
     # One step tensor for all (the fused kernels only read it): no pageable
     # copy and stream sync per tensor.
     steps = [torch.full((), float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
-    beta1, beta2 = g["betas"]
-    fused = torch._fused_adamw_ if g.get("adamw_mode", True) else torch._fused_adam_
-    fused(ps, gs, ms, vs, [], steps, lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2),
-          weight_decay=float(g["weight_decay"]), eps=float(g["eps"]), amsgrad=False, maximize=False)
+    fused = torch._fused_adamw_ if h.adamw_mode else torch._fused_adam_
+    fused(ps, gs, ms, vs, [], steps, lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay,
+          eps=h.eps, amsgrad=False, maximize=h.sign < 0)
