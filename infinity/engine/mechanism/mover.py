@@ -21,7 +21,7 @@ when the hook evicts, the kernels that read the range have finished.
 [Note: refreshing a live range]
 The release marker covers ranges that were freed. A range that stays live,
 the compute copy of a unit that lives on the device and is refreshed after
-each step (``Engine.invalidate_device_copies``), was never released: with
+each step (``Residency.invalidate``), was never released: with
 ``offload_params="none"`` no marker exists at all, and kernels queued since
 the last eviction (metrics, an EMA, evaluation between backward and step)
 may still read it. So ``h2d`` by default also makes the copy stream wait for

@@ -19,7 +19,6 @@ from ..plan.limits import DEVICE_ALIGN  # See [Note: limits that must agree]
 __all__ = ["DeviceTier", "HostTier", "BudgetError", "host_budget"]
 
 
-
 class BudgetError(MemoryError):
     """A tier's budget cannot hold what is asked; the message names the bytes."""
 

@@ -24,7 +24,6 @@ from ..plan.limits import MAX_REDUCING  # See [Note: limits that must agree]
 __all__ = ["GradRecord", "Gradients"]
 
 
-
 @dataclass
 class GradRecord:
     """A unit's gradients (written by grads.py only)."""

@@ -44,7 +44,6 @@ from ..plan.limits import MAX_QUEUED  # See [Note: limits that must agree]
 __all__ = ["make_schedule", "StepSchedule", "BackwardSchedule", "DelayedSchedule", "MAX_QUEUED"]
 
 
-
 class StepSchedule:
     """Updates in ``step()``. ``parts`` is the engine's record of its parts
     (parts.py; this uses ``grads``, ``optstate``, ``host_cache``,
