@@ -5,6 +5,15 @@ by an update, released.
 Owns ``unit.grads`` (a :class:`GradRecord`); nothing else writes it. See
 [Note: gradients in the compute dtype] in placement.py, [Note: a gradient's way to
 the host] in mover.py and [Note: gradient states] in state.py.
+
+[Note: zero_grad(set_to_none=False)]
+torch keeps a zero ``.grad`` for every parameter that had one, so the next
+step updates it even when its next backward leaves it out (its moments
+decay, weight decay applies). ``had`` marks those slots; ``zero_grad()``
+with ``set_to_none=True`` (torch's default) clears it. At ``step()`` the
+slots that had a gradient and got none in this window are zeroed in the
+buffer the update reads and count as written (``fill_kept_zeros``), so the
+norm, the overflow check and the update see what torch's would.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ class GradRecord:
     next_grad: Optional[torch.Tensor] = None  # delayed mode: the buffer the next backward fills
     buf: object = None                        # pool handle of a transient buffer
     written: List[bool] = field(default_factory=list)  # per trainable slot: holds this step's data
+    had: List[bool] = field(default_factory=list)      # per trainable slot: torch's ``.grad`` would not be None
     pending: int = 0                          # trainable slots still waiting for this backward's gradient
     tickets: list = field(default_factory=list)  # copies and reductions in flight
     shard: Optional[torch.Tensor] = None      # ZeRO: the own shard of the summed gradients
@@ -58,12 +68,12 @@ class Gradients:
         # copies, so each size class's holes fit its own later requests.
         self._with_copies = modes.grad_dtype != torch.float32
         for u in units:
-            u.grads = GradRecord(written=[False] * len(u.layout.trainable_slots))
+            u.grads = _record(u)
 
     def drop_buffers(self) -> None:
         """After teardown: forgets every unit's gradient buffers (see Engine._drop_buffers)."""
         for u in self.units:
-            u.grads = GradRecord(written=[False] * len(u.layout.trainable_slots))
+            u.grads = _record(u)
 
     # -- buffers kept for good ----------------------------------------------------------
 
@@ -118,7 +128,7 @@ class Gradients:
             self.acquire(u)
         dst = rec.grad[s.offset:s.offset + s.numel]
         accumulate = rec.written[ti]
-        rec.written[ti] = True
+        rec.written[ti] = rec.had[ti] = True
         if rec.state is GradState.CLEAN:
             rec.state = transition(u.name, "grad", rec.state, GradState.ACCUMULATING)
         if self.modes.host_optimizer:
@@ -335,6 +345,62 @@ class Gradients:
             self._release_reduced(u)
         self._reducing = []
 
+    # -- zero gradients torch would keep ([Note: zero_grad(set_to_none=False)]) --------------
+
+    def forget(self, set_to_none: bool) -> None:
+        """``zero_grad(set_to_none)``: the window's gradients are forgotten;
+        with ``set_to_none`` torch's ``.grad`` of every parameter is None
+        again, else the slots that had one hold zeros from now on."""
+        for u in self.units:
+            if set_to_none:
+                u.grads.had = [False] * len(u.grads.had)
+
+    def any_kept(self) -> bool:
+        """True when some parameter would have a ``.grad`` (torch's view) now."""
+        return any(any(u.grads.had) for u in self.units)
+
+    def fill_kept_zeros(self, u) -> None:
+        """Before the step reads ``u``'s gradients: the slots torch would hold
+        a zero ``.grad`` for (``had``, not written in this window) get zeros in
+        the buffer the update reads and count as written."""
+        rec = u.grads
+        kept = [ti for ti, (h, w) in enumerate(zip(rec.had, rec.written)) if h and not w]
+        if not kept:
+            return
+        buf = self.update_input(u)
+        if buf is None:  # NVMe optimizer state: a transient buffer, maybe spilled
+            return self._fill_spilled(u, kept)
+        self._zero_slots(u, buf, kept)
+
+    def _zero_slots(self, u, buf: torch.Tensor, kept: List[int]) -> None:
+        self.wait(u)
+        slots, lo = u.layout.trainable_slots, 0
+        if buf.numel() != u.place.trainable_numel:  # ZeRO: the own shard
+            lo = self.sharding.shard(u.place.trainable_numel)[0]
+        for ti in kept:
+            s = slots[ti]
+            a, b = max(s.offset - lo, 0), min(s.offset + s.numel - lo, buf.numel())
+            if a < b:
+                buf[a:b].zero_()
+            u.grads.written[ti] = True
+
+    def _fill_spilled(self, u, kept: List[int]) -> None:
+        """NVMe optimizer state: zeros written into the spilled gradients (or
+        a fresh zero buffer), spilled again, so host memory stays bounded."""
+        rec = u.grads
+        if rec.home is GradHome.SPILLED:
+            self.load(u)
+            self._zero_slots(u, rec.grad, kept)
+            self.nvme.write(swap_key(u.index, "grad"), rec.grad).wait()
+            self.drop_loaded(u)
+            return
+        self.acquire(u)
+        rec.grad.zero_()
+        self._zero_slots(u, rec.grad, kept)
+        if rec.state is GradState.CLEAN:
+            rec.state = transition(u.name, "grad", rec.state, GradState.ACCUMULATING)
+        self.spill(u)
+
     # -- the step ------------------------------------------------------------------------
 
     def update_input(self, u) -> Optional[torch.Tensor]:
@@ -367,3 +433,8 @@ class Gradients:
                                                                              id(rec.shard): rec.shard}
             total += sum(t.numel() * t.element_size() for t in kept.values() if t is not None)
         return total
+
+
+def _record(u) -> GradRecord:
+    n = len(u.layout.trainable_slots)
+    return GradRecord(written=[False] * n, had=[False] * n)

@@ -111,6 +111,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.check_groups()
         eng = self.engine
+        self._check_not_stepped()
         had_grads = eng.grads.micro_batches > 0  # torch keeps them (p.grad) until zero_grad()
         with eng.faults.guard("optimizer.step()"):
             if eng.in_pass and eng.pass_grad:
@@ -120,6 +121,16 @@ class InfinityOptimizer(torch.optim.Optimizer):
         eng.after_step()
         eng.stats.end_step_window()
         return loss
+
+    def _check_not_stepped(self) -> None:
+        """A second ``step()`` with the same gradients: torch applies them
+        again, infinity freed them at the first. Refused before anything changes."""
+        g = self.engine.grads
+        if g.need_zero_grad and g.micro_batches == 0 and g.any_kept():
+            raise UsageError("optimizer.step() again without backward() since the last step(): torch would apply "
+                             "the same gradients a second time, but infinity frees them at step(). Call "
+                             "optimizer.zero_grad() and backward() before each step() (or step() once with the "
+                             "gradients summed)")
 
     def check_groups(self) -> None:
         """Every param group's hyper-parameters, checked before anything
@@ -147,10 +158,12 @@ class InfinityOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forgets accumulated gradients (the buffers are overwritten by the
-        next backward rather than zeroed)."""
+        next backward rather than zeroed). ``set_to_none=False``: as in torch,
+        every parameter that had a gradient keeps a zero one, and the next
+        ``step()`` updates it even if its next backward leaves it out."""
         self._check_open("zero_grad()")
         with self.engine.faults.guard("optimizer.zero_grad()"):
-            self.schedule.zero_grad()
+            self.schedule.zero_grad(set_to_none)
         for u in self.engine.units:
             for s in u.layout.slots:
                 s.param.grad = None

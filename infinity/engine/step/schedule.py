@@ -151,6 +151,8 @@ class StepSchedule:
                     p.grads.reduce(u)
             p.grads.finish_reductions()
         todo = [u for u in p.units if u.index not in self._running and u.place.trainable]
+        for u in todo:  # See [Note: zero_grad(set_to_none=False)] in grads.py
+            p.grads.fill_kept_zeros(u)
         skip, scale = scaling.global_scale([(u, p.grads.update_input(u), u.grads.written) for u in todo])
         if skip and self._running:
             raise RuntimeError("internal: overflow after early updates")  # early updates exclude fp16
@@ -253,8 +255,9 @@ class StepSchedule:
     def flush(self) -> None:
         """Delayed mode: applies the queued update now. No-op otherwise."""
 
-    def zero_grad(self) -> None:
-        """Forgets accumulated gradients (overwritten, not zeroed, by the next backward)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forgets accumulated gradients (overwritten, not zeroed, by the next
+        backward); see [Note: zero_grad(set_to_none=False)] in grads.py."""
         p = self.p
         if self._running:
             # See [Note: the accumulation window].
@@ -268,6 +271,7 @@ class StepSchedule:
         p.grads.drain()
         for u in p.units:
             p.grads.consume(u)
+        p.grads.forget(set_to_none)
 
 
 class BackwardSchedule(StepSchedule):
@@ -342,7 +346,16 @@ class BackwardSchedule(StepSchedule):
 
 class DelayedSchedule(StepSchedule):
     """The update of step t's gradients runs during step t+1's forward and
-    backward and is applied at step t+1 (see [Note: when the optimizer runs])."""
+    backward and is applied at step t+1 (see [Note: when the optimizer runs]).
+
+    [Note: the delayed pair]
+    A unit has two compute buffers: the live one forward reads, and the one
+    the queued update writes; applying the update swaps them. The update
+    writes only the slots that got gradients, so the slots it leaves are
+    copied from the live buffer into the other one before the swap (else
+    they would go back to their value of two updates ago), and a unit with
+    no gradient at all in the step queues nothing and is not swapped.
+    """
 
     def __init__(self, parts, updater, accum_steps: int, early_ok: bool):
         super().__init__(parts, updater, accum_steps, early_ok)
@@ -368,6 +381,7 @@ class DelayedSchedule(StepSchedule):
         work = []
         for u in p.units:
             if u.place.trainable:
+                p.grads.fill_kept_zeros(u)  # See [Note: zero_grad(set_to_none=False)] in grads.py
                 written = list(u.grads.written)
                 work.append((u, p.grads.swap_delayed(u), written))  # the next backward fills the other buffer
         skip, scale = scaling.global_scale(work)
@@ -381,9 +395,13 @@ class DelayedSchedule(StepSchedule):
         # an LR scheduler may already have moved the groups' lr.
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.updater.param_groups]
         for u, grad, written in work:
+            if not any(written):
+                continue  # no gradient: the unit keeps its buffers (see [Note: the delayed pair])
+
             def job(u=u, grad=grad, written=written) -> None:
                 self.p.fence.wait_unit(u)
                 self.updater.run(u, grad, written, u.host.next_compute, scale, live=False, hyper=hyper)
+                self.updater.carry_unwritten(u, written, u.host.compute, u.host.next_compute)
 
             self._pending.append(p.mover.host_job(job))
             self._pending_units.append(u)

@@ -118,6 +118,15 @@ class Updater:
             self.stats.optimizer_seconds += time.perf_counter() - t0
         return sums
 
+    def carry_unwritten(self, u, written: Sequence[bool], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Delayed mode: copies the trainable slots the update did not write
+        from the live compute buffer ``src`` into ``dst`` (the one about to
+        become live; see [Note: the delayed pair] in schedule.py)."""
+        if all(written):
+            return
+        for a, b in written_runs(u, [not w for w in written]):
+            dst[a:b].copy_(src[a:b])
+
     def _run_group(self, u, grad, out, global_ranges, g: dict, step: int, grad_scale: float,
                    chunk: Optional[int]) -> Optional[dict]:
         """One kernel call over ``global_ranges`` with group ``g``'s hyperparameters."""
