@@ -58,7 +58,8 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
             and config.
         param_groups: optional torch-style groups (dicts with ``"params"``, a
             list of the model's parameters, plus any of lr, betas, eps,
-            weight_decay, adamw_mode); parameters not listed join a default group.
+            weight_decay, adamw_mode); as with torch, parameters no group
+            lists are not trained (they are frozen, with a warning).
         **optimizer_kwargs: AdamW defaults: ``lr`` (1e-3), ``betas``
             ((0.9, 0.999)), ``eps`` (1e-8), ``weight_decay`` (1e-2),
             ``adamw_mode`` (True; False = Adam with L2 decay).
@@ -74,6 +75,7 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
     _check_modules(model)
     groups = _build_groups(model, param_groups, defaults)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+    _freeze_left_out(model, group_of)
 
     engine = Engine(model, config, group_of, process_group)
     # Only non-empty groups: torch's Optimizer refuses empty ones.
@@ -149,20 +151,33 @@ def _check_modules(model: nn.Module) -> None:
 
 def _build_groups(model: nn.Module, param_groups: Optional[List[dict]], defaults: Dict[str, Any]) -> List[dict]:
     """The user's groups (trainable parameters only, defaults filled in,
-    checked), then a default group of the trainable parameters none lists
-    (always present when there are no user groups; possibly empty)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups: List[dict] = []
+    checked), or without ``param_groups`` one default group of every
+    trainable parameter. A parameter no group lists is not trained, as
+    under torch (``initialize`` freezes it)."""
+    if param_groups is None:
+        return [dict(defaults, params=[p for p in model.parameters() if p.requires_grad])]
     seen: set = set()
-    for gi, g in enumerate(param_groups or []):
-        groups.append(_build_group(gi, g, defaults, seen))
-    rest = [p for p in trainable if id(p) not in seen]
-    if rest or not groups:
-        groups.append(dict(defaults, params=rest))
-    return groups
+    owned = {id(p) for p in model.parameters()}
+    groups = [_build_group(gi, g, defaults, seen, owned) for gi, g in enumerate(param_groups)]
+    return groups or [dict(defaults, params=[])]
 
 
-def _build_group(gi: int, g: dict, defaults: Dict[str, Any], seen: set) -> dict:
+def _freeze_left_out(model: nn.Module, group_of: Dict[int, Optional[int]]) -> None:
+    """Trainable parameters no group lists stay as they are, as under torch:
+    mapped to None (frozen), with a warning naming them (an older infinity
+    trained them in a default group)."""
+    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in group_of:
+            group_of[id(p)] = None
+    if left:
+        shown = ", ".join(repr(n) for n in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        warnings.warn(f"infinity.initialize: {len(left)} parameter(s) that require grad are in none of "
+                      f"param_groups ({shown}): they are not trained, as with a torch optimizer over those groups "
+                      "(infinity freezes them). List them in a group to train them", UserWarning, stacklevel=3)
+
+
+def _build_group(gi: int, g: dict, defaults: Dict[str, Any], seen: set, owned: set) -> dict:
     """``param_groups[gi]`` checked and completed; adds its parameters to ``seen``."""
     if "params" not in g:
         raise ValueError(f"initialize: param_groups[{gi}] has no 'params'")
@@ -171,6 +186,9 @@ def _build_group(gi: int, g: dict, defaults: Dict[str, Any], seen: set) -> dict:
         raise ValueError(f"initialize: param_groups[{gi}] has unknown key(s) {sorted(bad)}")
     ps = [p for p in g["params"] if p.requires_grad]
     for p in ps:
+        if id(p) not in owned:
+            raise ValueError(f"initialize: param_groups[{gi}] lists a tensor of shape {tuple(p.shape)} that is not "
+                             "a parameter of the model (groups built from another copy of it?)")
         if id(p) in seen:
             raise ValueError("initialize: a parameter appears in more than one of param_groups")
         seen.add(id(p))

@@ -31,9 +31,10 @@ fi
 rm -f "$stamp"
 echo "[setup] building and installing infinity (native library via CMake)"
 # accelerate, peft: the Hugging Face Trainer and LoRA tests (infinity.integrations.hf); matplotlib: `infinity report`
-# and its test (the package's `plot` extra); tqdm, psutil: `infinity train`
+# and its test (the package's `plot` extra); tqdm, psutil: `infinity train`; expecttest: torch's own optimizer
+# test inputs (torch.testing._internal.common_optimizers, tests/optim/test_adam_optim_db.py)
 "$vpy" -m pip install -q scikit-build-core cmake ninja pytest numpy "transformers==5.24.0" "accelerate==1.15.0" \
-  "peft==0.21.2" matplotlib tqdm psutil
+  "peft==0.21.2" matplotlib tqdm psutil "expecttest==0.3.0"
 "$vpy" -m pip install -q --no-build-isolation "$root"
 "$vpy" -c "import infinity, json; print('[setup] infinity.system.native.info():', json.dumps(infinity.system.native.info()))"
 echo "$src_hash" > "$stamp"

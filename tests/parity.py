@@ -93,10 +93,11 @@ class DelayedReference:
 
 
 def run_pair(make_model: Callable[[], nn.Module], loop: Callable, cfg: dict, *, steps: int = 4, lr: float = 1e-2,
-             weight_decay: float = 0.1, init_kw: Optional[dict] = None, torch_opt: Optional[Callable] = None,
+             weight_decay: float = 0.1, init_kw=None, torch_opt: Optional[Callable] = None,
              ) -> Tuple[List[float], List[float], dict, dict]:
     """Runs ``loop`` for ``steps`` on ``make_model()`` with torch's AdamW
-    (or ``torch_opt(model)``) and on a copy through infinity with ``cfg``.
+    (or ``torch_opt(model)``) and on a copy through infinity with ``cfg``
+    (``initialize``'s keyword arguments: ``init_kw``, or ``init_kw(copy)``).
     Returns (infinity's losses, torch's, infinity's final tensors, torch's)."""
     ref = make_model()
     model = copy.deepcopy(ref)
@@ -104,7 +105,8 @@ def run_pair(make_model: Callable[[], nn.Module], loop: Callable, cfg: dict, *, 
         [p for p in ref.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, foreach=False)
     if cfg.get("overlap") == "delayed":
         ref_opt = DelayedReference(ref_opt)
-    kw = init_kw if init_kw is not None else dict(lr=lr, weight_decay=weight_decay)
+    kw = init_kw(model) if callable(init_kw) else init_kw if init_kw is not None else dict(lr=lr,
+                                                                                           weight_decay=weight_decay)
     model, opt = infinity.initialize(model, infinity.Config(**cfg), **kw)
     losses, ref_losses = [], []
     try:

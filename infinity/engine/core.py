@@ -199,14 +199,39 @@ class Engine:
 
     # -- values ---------------------------------------------------------------------------------
 
-    def values_changed(self, u, slots=None) -> None:
+    def forward_wrote(self, u, slots) -> None:
+        """torch wrote ``u``'s parameters ``slots`` (slot indices) in place
+        during forward (see [Note: writes in forward] in hooks.py): written
+        through to every tier, or refused where that cannot give torch's
+        result; the refusal fails the engine, since the device copy already
+        holds the write."""
+        names = ", ".join(repr(u.layout.slots[i].name) for i in slots)
+        why = None
+        if self.sharding.world > 1:
+            why = (f"on {self.sharding.world} ranks each rank writes its own values into its copy of a parameter "
+                   "the ranks share, so the ranks' parameters would part")
+        elif self.config.overlap == "delayed":
+            why = ("with overlap='delayed' the previous step's update is being computed from the values before "
+                   "this write, and would overwrite it")
+        if why is not None:
+            msg = (f"parameter(s) {names} of unit {u.name!r} written in place during forward "
+                   f"(e.g. nn.Embedding(max_norm=...), a no_grad weight update in forward): {why}. Use "
+                   "overlap='step' or 'backward' on one rank, or move the write out of forward (between "
+                   "steps a write goes through to every tier)")
+            self.faults.record(RuntimeError(msg), "forward (a parameter written in place)")
+            raise UsageError(msg)
+        self.values.write_through(u, list(slots))
+
+    def values_changed(self, u, slots=None, bump: bool = True) -> None:
         """The values of ``u``'s parameters (``slots``, default its trainable
         ones) changed in their home: bumps their autograd versions, so a
         tensor saved before and needed after raises torch's in-place error
-        (see [Note: saved tensors follow their unit])."""
+        (see [Note: saved tensors follow their unit]). ``bump=False``: the
+        write was torch's own in-place call on the parameter, which moved
+        the version already."""
         self.values_version += 1  # readers that cache values (state_dict.py) read again
         params = [s.param for s in (u.layout.trainable_slots if slots is None else slots)]
-        if params:
+        if params and bump:
             torch.autograd.graph.increment_version(params)
 
     def describe_steps(self) -> str:

@@ -161,14 +161,17 @@ class Values:
     # -- loaded later --------------------------------------------------------------------
 
     @torch.no_grad()
-    def write(self, u, values: Dict[int, torch.Tensor], scratch=None) -> None:
+    def write(self, u, values: Dict[int, torch.Tensor], scratch=None, from_device: bool = False) -> None:
         """Overwrites parameters of ``u`` (slot index -> tensor of the slot's
         numel, any dtype) in every tier that holds them: fp32 master, compute
-        home, and the device copy. Optimizer moments are left as they are."""
+        home, and the device copy. Optimizer moments are left as they are.
+        ``from_device``: the values were written into the device copy by
+        torch (a forward's in-place call), which stays as it is."""
         p = self.p
         p.fence.wait_unit(u)
         p.grads.drain()
-        p.residency.drop_copy(u)  # fetched again, with the new values, when next used
+        if not from_device:
+            p.residency.drop_copy(u)  # fetched again, with the new values, when next used
         # In memory buffers are written in place; NVMe homes are read, written and stored back
         # (not read where every slot is overwritten, as a checkpoint's load does).
         covers = len(values) == len(u.layout.slots)
@@ -190,7 +193,30 @@ class Values:
             for c in computes:
                 _put(c[sl], src)
         self._store_written(u, master, home)
-        p.values_changed(u, [u.layout.slots[i] for i in values])
+        p.values_changed(u, [u.layout.slots[i] for i in values], bump=not from_device)
+
+    @torch.no_grad()
+    def write_through(self, u, slots: List[int]) -> None:
+        """torch wrote ``u``'s parameters ``slots`` (indices into its slots)
+        in place in their device copy during forward (see [Note: writes in
+        forward] in hooks.py): the elements that differ from the master
+        rounded to the compute dtype (what the copy was made from) go to the
+        fp32 master, the slots to every compute copy."""
+        master = self.p.optstate.read(u, "master") if any(u.layout.slots[i].trainable for i in slots) else None
+        values = {}
+        for i in slots:
+            s = u.layout.slots[i]
+            dev = s.param.detach().reshape(-1)
+            if not s.trainable:
+                values[i] = dev
+                continue
+            # Unchanged elements keep their fp32 value (the compute copy may be rounded).
+            new = master[s.offset:s.offset + s.numel].clone()
+            dev = dev.to(new.device)
+            changed = dev != new.to(dev.dtype)
+            new[changed] = dev[changed].to(torch.float32)
+            values[i] = new
+        self.write(u, values, from_device=True)
 
     def _old_master(self, u, covers: bool, scratch) -> Optional[torch.Tensor]:
         """The full master to overwrite: the buffer itself where it is whole in

@@ -158,7 +158,8 @@ def test_param_groups_without_weight_decay():
     ref_opt = torch.optim.AdamW([{"params": decay(ref)}, {"params": no_decay(ref), "weight_decay": 0.0}],
                                 lr=1e-3, weight_decay=0.1, foreach=False)
     model, opt = infinity.initialize(model, cfg(), lr=1e-3, weight_decay=0.1,
-                                     param_groups=[{"params": no_decay(model), "weight_decay": 0.0}])
+                                     param_groups=[{"params": decay(model)},
+                                                   {"params": no_decay(model), "weight_decay": 0.0}])
     train_steps(model, opt, 8)
     train_steps(ref, ref_opt, 8)
     assert_params_close(infinity.full_state_dict(model), ref.state_dict())

@@ -154,14 +154,25 @@ def test_p_grad_is_none_or_raises_naming_max_grad_norm(tmp_path):
     infinity.close(m)
 
 
-def test_backward_after_step_without_zero_grad_raises(tmp_path):
-    """torch adds the new gradients to the last step's; infinity overwrote them, silently."""
-    m, o = managed(tmp_path)
+@pytest.mark.parametrize("overlap", ["step", "backward"])
+def test_backward_after_step_without_zero_grad_raises_at_the_next_step(tmp_path, overlap):
+    """torch adds the new gradients to the last step's; infinity overwrote
+    them, silently. The backward is taken (a zero_grad() may still drop it,
+    as the DCGAN loop does); the step() that would apply the sum raises
+    before anything changes, even where updates run during backward."""
+    m, o = managed(tmp_path, overlap=overlap)
     (x, y), (x2, y2) = data(2)
     m(x, y).backward()
     o.step()
-    with pytest.raises(UsageError, match="zero_grad"):
-        m(x2, y2).backward()
+    before = {k: v.clone() for k, v in infinity.full_state_dict(m).items()}
+    m(x2, y2).backward()
+    with pytest.raises(UsageError, match=r"without optimizer.zero_grad\(\).*Nothing was changed"):
+        o.step()
+    after = infinity.full_state_dict(m)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    o.zero_grad()
+    m(x2, y2).backward()
+    o.step()
     infinity.close(m)
 
 

@@ -21,6 +21,31 @@
 A module called twice simply yields two entries in the trace and two
 backward holds; a checkpointed module's recomputation is a fetch like any
 other, whose pin lasts until the module's backward is done (see ``_make_pre``).
+
+[Note: a unit's forward writing its input]
+A unit call's inputs reach its forward through ``_PostBackward`` as
+aliases (same storage and version counter, not views: autograd refuses an
+in-place write to a custom Function's view of its input). When the
+forward writes one in place (``x.mul_(2)``), the caller's tensor holds the
+new values but not their autograd history; torch would have given it the
+history of the write. So at the forward hook the caller's tensor is
+rebased onto the alias (``x.copy_(alias)``, the same bytes) and its
+version set back to the one the write left, so that tensors saved after
+the write stay valid.
+
+[Note: writes in forward]
+Some forwards write their parameters in place: ``nn.Embedding(max_norm=)``
+renormalises the rows it looks up, EMA codebooks and weight
+re-normalisation update weights under ``no_grad``. torch's in-place call
+moves the parameter's version counter (``p._version``; assigning ``p.data``
+does not), so each unit call notes its parameters' versions after the
+fetch and compares them at its forward hook, and the root's forward does
+the same for the units pinned for the whole pass. A parameter whose
+version moved was written in its device copy: ``Engine.forward_wrote``
+writes it through to the master and the compute copies before the copy
+can be evicted. Writes through ``p.data`` (a tensor with its own version
+counter) are not seen; recomputations inside backward are not checked
+(they repeat what the forward wrote).
 """
 
 from __future__ import annotations
@@ -116,12 +141,28 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hooks, u, *tensors):
         ctx.hooks, ctx.unit = hooks, u
-        return tensors
+        # Aliases, not the inputs themselves: an input returned as it is
+        # would be a view, which autograd forbids writing in place (see
+        # [Note: a unit's forward writing its input]).
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.hooks._post_backward(ctx.unit)
         return (None, None) + grads
+
+
+def _rebase_written_inputs(io) -> None:
+    """See [Note: a unit's forward writing its input]: each caller's tensor
+    whose alias the unit's forward wrote in place takes the alias's history,
+    as torch's in-place call would have given it, at the version it has."""
+    ins, outs, versions = io
+    for x, y, v in zip(ins, outs, versions):
+        if y._version != v:
+            now = x._version
+            with torch.enable_grad():
+                x.copy_(y)
+            torch._C._autograd._unsafe_set_version_counter((x,), (now,))
 
 
 def _on_first_grad(tensors: List[torch.Tensor], fn) -> None:
@@ -169,6 +210,20 @@ def _params_in(args, kwargs):
                     yield b
 
 
+def _versions(u: Unit) -> List[int]:
+    """The version counters of ``u``'s parameters (see [Note: writes in forward])."""
+    return [s.param._version for s in u.layout.slots]
+
+
+def _check_writes(eng: Engine, u: Unit, before: Optional[List[int]]) -> None:
+    """Writes through what a forward wrote into ``u``'s parameters in place since ``before``."""
+    if before is None:
+        return
+    changed = [i for i, s in enumerate(u.layout.slots) if s.param._version != before[i]]
+    if changed:
+        _internally(eng, "forward (a parameter written in place)", eng.forward_wrote, u, changed)
+
+
 def _refuse_unsupported_modes() -> None:
     """Forward modes whose tensors infinity cannot page: refused before anything changes."""
     if torch.is_inference_mode_enabled():
@@ -185,7 +240,9 @@ class Hooks:
         self._watcher: Optional[_Watcher] = None
         eng = engine
         root = eng.model
-        self._calls: List[tuple] = []  # per unit call in progress: (module, pinned, pushed saved hooks)
+        # per unit call in progress: (module, pinned, pushed saved hooks, parameter versions, inputs' aliases)
+        self._calls: List[tuple] = []
+        self._pass_versions: List[tuple] = []  # (unit, versions) of the units pinned for the pass
         self.handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
         self.handles.append(root.register_forward_hook(self._root_post, always_call=True))
         for u in eng.units[1:]:
@@ -214,6 +271,7 @@ class Hooks:
         with eng.faults.guard("forward"):
             eng.begin_pass(torch.is_grad_enabled())
         eng.guard.disarm()  # See [Note: parameters outside forward].
+        self._pass_versions = [(u, _versions(u)) for u in eng.units if u.index == 0 or u.dev.external]
         if not eng.trace.has_trace and self._watcher is None:
             self._watcher = _Watcher(eng)
             self._watcher.__enter__()
@@ -223,6 +281,10 @@ class Hooks:
         # Also runs when forward raised (output None then): the pass ends.
         eng = self.engine
         eng.guard.arm()
+        pass_versions, self._pass_versions = self._pass_versions, []
+        if output is not None:  # See [Note: writes in forward]
+            for u, before in pass_versions:
+                _check_writes(eng, u, before)
         if self._watcher is not None:
             w, self._watcher = self._watcher, None
             w.__exit__(None, None, None)
@@ -253,12 +315,13 @@ class Hooks:
                 eng.residency.begin_recompute(u)
             grad = torch.is_grad_enabled()
             pushed = bool(grad and not in_bwd and eng.saved is not None and not u.dev.external and eng.saved.push())
-            self._calls.append((module, not in_bwd, pushed))
             ins = _grad_tensors((args, kwargs)) if grad else []
+            outs = _PostBackward.apply(self, u, *ins) if ins else ()
+            io = (ins, outs, [t._version for t in outs]) if ins else None
+            self._calls.append((module, not in_bwd, pushed, None if in_bwd else _versions(u), io))
             if not ins:
                 return None
             # The call's inputs pass through _PostBackward, whose backward marks the end of its backward.
-            outs = _PostBackward.apply(self, u, *ins)
             new = {id(a): b for a, b in zip(ins, outs)}
             return _replace(args, new), _replace(kwargs, new)
         return pre
@@ -269,11 +332,17 @@ class Hooks:
             eng = self.engine
             if not self._calls or self._calls[-1][0] is not module:
                 return None
-            _, pinned, pushed = self._calls.pop()
+            _, pinned, pushed, before, io = self._calls.pop()
             if pushed:
                 eng.saved.pop()
-            if pinned:
-                eng.residency.unpin(u)
+            try:
+                if output is not None:
+                    if io is not None:
+                        _rebase_written_inputs(io)
+                    _check_writes(eng, u, before)
+            finally:
+                if pinned:
+                    eng.residency.unpin(u)
             if output is not None and torch.is_grad_enabled():
                 outs = _grad_tensors(output)
                 if outs:

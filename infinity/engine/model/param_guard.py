@@ -89,7 +89,9 @@ class ManagedParameter(nn.Parameter):
         name = getattr(func, "__name__", "")
         if name in ("__get__", "__set__", "__delete__"):
             return _attribute(func, name, getattr(getattr(func, "__self__", None), "__name__", ""), args, kwargs)
-        if name in _META_METHODS:
+        if name in _META_METHODS or func is torch.autograd.grad:
+            # autograd.grad differentiates w.r.t. the leaf itself (its graph's
+            # node), not its values: the parameter passes as it is.
             return _plain(func, args, kwargs)
         managed = [t for t in _tensors((args, kwargs)) if isinstance(t, ManagedParameter) and _target(t) is not None]
         live = [p for p in (_target(t) for t in managed) if not p._infinity_guard.live(p)]

@@ -6,6 +6,14 @@ Owns ``unit.grads`` (a :class:`GradRecord`); nothing else writes it. See
 [Note: gradients in the compute dtype] in placement.py, [Note: a gradient's way to
 the host] in mover.py and [Note: gradient states] in state.py.
 
+[Note: a backward after step() without zero_grad()]
+torch adds such a backward's gradients to the last step's. That is harmless
+when a ``zero_grad()`` comes before the next ``step()`` (the DCGAN loop: the
+generator's backward reaches the discriminator after the discriminator's
+step, and the discriminator's next ``zero_grad()`` drops them), so the
+backward is taken (``stale``) with no update started during it, and only a
+``step()`` that would apply the sum raises, before anything changes.
+
 [Note: zero_grad(set_to_none=False)]
 torch keeps a zero ``.grad`` for every parameter that had one, so the next
 step updates it even when its next backward leaves it out (its moments
@@ -63,6 +71,7 @@ class Gradients:
         self.window_closed = False    # See [Note: the accumulation window] in schedule.py
         self.micro_batches = 0        # backward passes since the last step
         self.need_zero_grad = False   # step() ran and zero_grad() did not since
+        self.stale = False            # a backward ran while need_zero_grad: step() must refuse
         # Gradient buffers in the compute dtype have the size of compute copies,
         # not of fp32 state: they come from the same end of the pool as the
         # copies, so each size class's holes fit its own later requests.
@@ -100,6 +109,17 @@ class Gradients:
         self.micro_batches = 0
         self.window_closed = False
         self.need_zero_grad = stepped
+        self.stale = False
+
+    def stale_error(self) -> UsageError:
+        """``step()`` after a backward that followed the last ``step()`` with
+        no ``zero_grad()`` between (see [Note: a backward after step() without zero_grad()])."""
+        return UsageError(
+            "optimizer.step() after a backward() that followed the last step() without optimizer.zero_grad() "
+            "(or model.zero_grad()) in between: torch would add that backward's gradients to the last step's "
+            "and apply both, but infinity freed the last step's at step(). Nothing was changed. Call "
+            "optimizer.zero_grad() after each step(); to accumulate over micro-batches, call step() once every "
+            "Config.grad_accumulation_steps backward() calls")
 
     # -- off the device ---------------------------------------------------------------
 
@@ -117,11 +137,7 @@ class Gradients:
         if self.window_closed:
             raise self._window_error()
         if self.need_zero_grad:
-            raise UsageError(
-                "backward() after optimizer.step() without optimizer.zero_grad() (or model.zero_grad()) in "
-                "between: torch would add this backward's gradients to the last step's, but infinity frees "
-                "the gradients at step(). Call optimizer.zero_grad() after each step(); to accumulate over "
-                "micro-batches, call step() once every Config.grad_accumulation_steps backward() calls")
+            self.stale = True  # See [Note: a backward after step() without zero_grad()]
         p.grad = None
         rec, s = u.grads, u.layout.trainable_slots[ti]
         if rec.grad is None:  # a transient buffer until the update (NVMe state, ZeRO 2-3)

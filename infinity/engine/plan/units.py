@@ -45,9 +45,12 @@ class Layout:
     ``[0, numel)``. ``numel`` is padded to ``pad_to`` so a later ZeRO stage can
     split every buffer into equal shards."""
 
-    def __init__(self, named: Sequence[Tuple[str, nn.Parameter]], group_of: Dict[int, int], pad_to: int = 1):
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        frozen = [(n, p) for n, p in named if not p.requires_grad]
+    def __init__(self, named: Sequence[Tuple[str, nn.Parameter]], group_of: Dict[int, Optional[int]],
+                 pad_to: int = 1):
+        # A parameter mapped to None is in no optimizer group: frozen, as torch leaves it unchanged.
+        trains = [p.requires_grad and group_of.get(id(p), 0) is not None for _, p in named]
+        trainable = [np_ for np_, t in zip(named, trains) if t]
+        frozen = [np_ for np_, t in zip(named, trains) if not t]
         trainable.sort(key=lambda np_: group_of.get(id(np_[1]), 0))  # stable: registration order in a group
         self.slots: List[Slot] = []
         off = 0

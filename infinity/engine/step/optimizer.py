@@ -24,6 +24,7 @@ import torch._dynamo  # noqa: F401,E402
 from ...optim.functional import group_hyper
 from ..faults import UsageError
 from .scaling import Scaling
+from .state_view import StateView
 from .schedule import make_schedule
 from .update import Updater
 
@@ -55,6 +56,10 @@ class InfinityOptimizer(torch.optim.Optimizer):
         self.scaling = Scaling(cfg, engine.sharding, engine.grads, self.updater.counted_runs, engine.stats)
         self.schedule = make_schedule(engine.parts, self.updater, cfg.overlap, cfg.grad_accumulation_steps,
                                       early_ok=not self.scaling.waits_for_step)
+        self._loads = 0  # load_state_dict calls: optimizer.state reads again after one
+        self.state = StateView(engine.param_slot, lambda: [p for g in self.param_groups for p in g["params"]],
+                               engine.values.read, lambda: (self._loads, engine.values_version, engine.stats.steps),
+                               self._state_ready, self._forget_state)
 
     # The scaling's figures, where torch users and checkpoints look for them.
     fp16 = property(lambda self: self.scaling.fp16)
@@ -126,11 +131,50 @@ class InfinityOptimizer(torch.optim.Optimizer):
         """A second ``step()`` with the same gradients: torch applies them
         again, infinity freed them at the first. Refused before anything changes."""
         g = self.engine.grads
+        if g.stale:
+            raise g.stale_error()
         if g.need_zero_grad and g.micro_batches == 0 and g.any_kept():
             raise UsageError("optimizer.step() again without backward() since the last step(): torch would apply "
                              "the same gradients a second time, but infinity frees them at step(). Call "
                              "optimizer.zero_grad() and backward() before each step() (or step() once with the "
                              "gradients summed)")
+
+    def _state_ready(self) -> None:
+        """Before ``optimizer.state`` reads moments (see [Note: optimizer.state])."""
+        self._check_open("state")
+        eng = self.engine
+        if eng.modes.zero and eng.sharding.world > 1:
+            raise UsageError(f"optimizer.state under ZeRO on {eng.sharding.world} ranks: each rank holds a shard of "
+                             "the moments, so a read is a collective. Call optimizer.state_dict() on every rank")
+        if eng.config.overlap == "backward" and self.schedule.updates_in_flight():
+            raise UsageError("optimizer.state between backward and optimizer.step() with overlap='backward': some "
+                             "units are being updated, so their moments are neither the old nor the new ones. Read "
+                             "after optimizer.step()")
+        while self.schedule.wait_one():  # overlap='delayed': the queued update lands in the moments first
+            pass
+
+    @torch.no_grad()
+    def _forget_state(self, params) -> None:
+        """The moments and step counts of ``params`` (None: all) start again
+        from zero (``del optimizer.state[p]``, ``optimizer.state.clear()``)."""
+        self._state_ready()
+        ids = None if params is None else {id(p) for p in params}
+        eng = self.engine
+        self._loads += 1
+        with eng.faults.guard("optimizer.state"):
+            for u in eng.units:
+                slots = [s for s in u.layout.trainable_slots if s.step and (ids is None or id(s.param) in ids)]
+                if not slots:
+                    continue
+                whole = len(slots) == len(u.layout.trainable_slots)
+                tn = u.place.trainable_numel
+                m, v = (torch.zeros(tn), torch.zeros(tn)) if whole else \
+                    (eng.values.read(u, "exp_avg").clone(), eng.values.read(u, "exp_avg_sq").clone())
+                for s in slots:
+                    m[s.offset:s.offset + s.numel] = 0
+                    v[s.offset:s.offset + s.numel] = 0
+                    s.step = 0
+                eng.optstate.write_moments(u, m.cpu(), v.cpu())
 
     def check_groups(self) -> None:
         """Every param group's hyper-parameters, checked before anything
@@ -182,16 +226,22 @@ class InfinityOptimizer(torch.optim.Optimizer):
         state. Raises naming the group or parameter whose size differs;
         nothing changes then."""
         self.flush()
+        self._loads += 1
         with self.engine.faults.guard("optimizer.load_state_dict()"):
             self._load_state_dict(state_dict)
 
     def _load_state_dict(self, sd: dict) -> None:
         groups, saved = self.param_groups, sd.get("param_groups")
+        saved = self._without_frozen(saved, sd.get("state", {}))
         if not isinstance(saved, list) or len(saved) != len(groups) or \
                 any(len(g["params"]) != len(s.get("params", ())) for g, s in zip(groups, saved)):
+            frozen = sum(1 for p in self.engine.model.parameters() if not p.requires_grad)
             raise ValueError(f"load_state_dict: the state has {len(saved or [])} param groups of sizes "
                              f"{[len(s.get('params', ())) for s in saved or []]}; this optimizer has {len(groups)} of "
-                             f"sizes {[len(g['params']) for g in groups]}")
+                             f"sizes {[len(g['params']) for g in groups]}"
+                             + (f". infinity's groups hold only trainable parameters (the model has {frozen} "
+                                "frozen): build the torch optimizer over [p for p in model.parameters() if "
+                                "p.requires_grad], in the groups given to initialize" if frozen else ""))
         order = [p for g in groups for p in g["params"]]
         saved_ids = [i for s in saved for i in s["params"]]
         per_param = {id(p): sd["state"].get(i) for p, i in zip(order, saved_ids)}
@@ -206,6 +256,21 @@ class InfinityOptimizer(torch.optim.Optimizer):
         for u in eng.units:
             if u.place.trainable:
                 self._load_unit(u, per_param)
+
+    def _without_frozen(self, saved, state: dict):
+        """A torch state of one group over all ``model.parameters()``, frozen
+        ones included (torch keeps no state for them): their entries dropped,
+        so it maps onto infinity's group of the trainable ones. Else ``saved``."""
+        params = list(self.engine.model.parameters())
+        if not (isinstance(saved, list) and len(saved) == 1 and len(self.param_groups) == 1
+                and isinstance(saved[0], dict) and len(saved[0].get("params", ())) == len(params)
+                and len(params) != len(self.param_groups[0]["params"])):
+            return saved
+        ids = [i for p, i in zip(params, saved[0]["params"]) if p.requires_grad]
+        if len(ids) != len(self.param_groups[0]["params"]) or any(
+                i in state for p, i in zip(params, saved[0]["params"]) if not p.requires_grad):
+            return saved
+        return [dict(saved[0], params=ids)]
 
     @staticmethod
     def _check_unit_state(u, per_param: dict) -> None:

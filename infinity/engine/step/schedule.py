@@ -287,7 +287,8 @@ class BackwardSchedule(StepSchedule):
 
     def _start_early(self, u) -> bool:
         p = self.p
-        if not (self.early_ok and self._last_backward() and p.modes.zero != 1 and u.index not in self._running):
+        if not (self.early_ok and self._last_backward() and p.modes.zero != 1 and u.index not in self._running
+                and not p.grads.stale):  # stale: see [Note: a backward after step() without zero_grad()]
             return False
         self._closing = True
         grad, written = p.grads.update_input(u), list(u.grads.written)
