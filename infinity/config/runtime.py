@@ -273,13 +273,15 @@ class Config:
         return config_from_file(path)
 
     @classmethod
-    def from_deepspeed(cls, config: Any, model: Any = None) -> "Config":
+    def from_deepspeed(cls, config: Any, model: Any = None, world_size: Optional[int] = None) -> "Config":
         """A Config from a DeepSpeed config (a JSON path or a dict); the result's
         ``.report`` (:class:`infinity.config.deepspeed.DeepSpeedReport`) holds the optimizer
         and scheduler settings, batch sizes and every key ignored, with why.
-        ``model`` resolves ``"auto"`` values. See docs/cli.md."""
+        ``model`` resolves ``"auto"`` values; ``world_size`` (default
+        ``$WORLD_SIZE``, else 1) enters DeepSpeed's batch arithmetic. Keys
+        DeepSpeed does not know raise one ``DeepSpeedConfigWarning``. See docs/cli.md."""
         from .deepspeed import from_deepspeed
-        return from_deepspeed(config, model)
+        return from_deepspeed(config, model, world_size)
 
     def to_dict(self) -> dict:
         """The config as a plain dict (for logs and checkpoints); ``Config(**d)``
