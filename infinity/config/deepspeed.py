@@ -437,9 +437,11 @@ def from_deepspeed(config: Union[str, Dict[str, Any]], model: Any = None, world_
     try:
         cfg = Config(**m.kw)
     except (ValueError, TypeError) as exc:
-        keys = {f: k for k, f in ((k, v.split("=")[0]) for k, v in m.r.mapped.items())}
-        where = next((keys[f] for f in keys if f"Config.{f}" in str(exc)), "zero_optimization")
-        raise ConfigFileError(f"{source}: '{where}': {exc}") from None
+        # Name every DeepSpeed key whose Config field the message names (a
+        # combination, e.g. stage 3 without parameter offload, names two).
+        where = [k for k, v in m.r.mapped.items() if re.search(rf"\b{re.escape(v.split('=')[0])}\b", str(exc))]
+        keys = ", ".join(f"'{k}'" for k in where) or "'zero_optimization'"
+        raise ConfigFileError(f"{source}: {keys}: {exc}") from None
     cfg.report = m.r
     if m.r.unknown:
         warnings.warn("\n".join([f"DeepSpeed config {source}: keys DeepSpeed does not know (ignored):",

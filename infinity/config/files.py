@@ -89,10 +89,14 @@ def config_from_mapping(table: Mapping[str, Any], source: str = "<dict>", prefix
     try:
         return Config(**dict(table))
     except (ValueError, TypeError) as exc:
-        # Config's messages start "Config.<field>=...": name the key path instead.
+        # Config's messages start "Config.<field>=...": name the key path
+        # instead, and every other key of the table the message names (a
+        # combination such as min_loss_scale above initial_loss_scale).
         msg = str(exc)
         m = re.match(r"Config\.(\w+)", msg)
-        key = f"'{where}{m.group(1)}'" if m else f"'{prefix}'" if prefix else "the config"
+        named = [m.group(1)] if m else []
+        named += [k for k in table if k not in named and re.search(rf"\b{re.escape(k)}\b", msg)]
+        key = ", ".join(f"'{where}{k}'" for k in named) or (f"'{prefix}'" if prefix else "the config")
         raise ConfigFileError(f"{source}: {key}: {msg}") from None
 
 
