@@ -8,7 +8,8 @@ DeepSpeed does not know, with the nearest valid name (``unknown``),
 between DeepSpeed versions and infinity (``defaults``), the optimizer
 keyword arguments for :func:`infinity.initialize`, the lr schedule
 (:class:`infinity.config.schedules.Schedule`) and the batch sizes. The mapping
-table is in docs/cli.md.
+table is in docs/cli.md. Every value is checked as DeepSpeed reads it
+(deepspeed_values.py); a bad one raises ConfigFileError naming the key path.
 """
 
 from __future__ import annotations
