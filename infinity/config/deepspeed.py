@@ -192,26 +192,26 @@ class _Mapper:
     def fp_key(self, name: str, key: str, value: Any) -> None:
         path = f"{name}.{key}"
         scale = V.MAX_LOSS_SCALE
+        # Each loss-scaling key: (Config field, its value), checked under bf16 too, where it is ignored.
+        loss_keys = {
+            "loss_scale": lambda: ("loss_scale", ds_real(path, value, 0.0, scale) or "dynamic"),
+            "initial_scale_power": lambda: ("initial_loss_scale", float(2 ** ds_int(path, value, 0, 64))),
+            "loss_scale_window": lambda: ("loss_scale_growth_interval", ds_int(path, value, 1)),
+            "min_loss_scale": lambda: ("min_loss_scale", ds_real(path, value, 0.0, scale, lo_open=True)),
+        }
         if key == "enabled":
             return
-        if name == "bf16" and key in ("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale"):
-            self.r.ignored[path] = "bf16 needs no loss scaling"
-        elif key == "loss_scale":
-            v = ds_real(path, value, 0.0, scale)
-            self.set(path, "loss_scale", "dynamic" if v == 0 else v)
-        elif key == "initial_scale_power":
-            self.set(path, "initial_loss_scale", float(2 ** ds_int(path, value, 0, 64)))
-        elif key == "loss_scale_window":
-            self.set(path, "loss_scale_growth_interval", ds_int(path, value, 1))
-        elif key == "min_loss_scale":
-            self.set(path, "min_loss_scale", ds_real(path, value, 0.0, scale, lo_open=True))
+        if key in loss_keys:
+            fieldname, v = loss_keys[key]()
+            if name == "bf16":
+                self.r.ignored[path] = "bf16 needs no loss scaling"
+            else:
+                self.set(path, fieldname, v)
         elif key in FP_IGNORED:
             check_kind(path, key, value)
             self.r.ignored[path] = FP_IGNORED[key]
         else:
-            self.r.unknown[path] = "not a DeepSpeed key" + nearest(
-                key, ["enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale",
-                      *FP_IGNORED])
+            self.r.unknown[path] = "not a DeepSpeed key" + nearest(key, ["enabled", *loss_keys, *FP_IGNORED])
 
     def zero(self, path: str, z: Any) -> None:
         if isinstance(z, bool):  # DeepSpeed's deprecated form: true is stage 1

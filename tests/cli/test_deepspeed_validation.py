@@ -27,6 +27,7 @@ REFUSED = [
     ({"fp16": {"enabled": True, "min_loss_scale": -1}}, r"'fp16.min_loss_scale'=-1"),
     ({"fp16": {"enabled": True, "initial_scale_power": "16"}}, r"'fp16.initial_scale_power'='16'"),
     ({"fp16": {"enabled": True, "hysteresis": "2"}}, r"'fp16.hysteresis'='2'"),
+    ({"bf16": {"enabled": True, "loss_scale": "x"}}, r"'bf16.loss_scale'='x'"),
     ({"zero_optimization": "3"}, r"'zero_optimization'='3': must be a JSON object"),
     ({"zero_optimization": {"stage": "x"}}, r"'zero_optimization.stage'='x'"),
     ({"zero_optimization": {"stage": 4}}, r"'zero_optimization.stage'=4"),
