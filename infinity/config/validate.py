@@ -102,9 +102,16 @@ def _parse_size_string(value: str, name: str) -> Decimal:
     try:
         # Decimal, not float: "1.1GB" is exactly 1100000000 bytes, and "1e400"
         # stays a (too large) number instead of becoming inf.
-        return Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
+        number = Decimal(m.group(1))
     except InvalidOperation:  # pragma: no cover - the pattern admits only numbers
         raise ValueError(f"{name}={value!r}: not a size") from None
+    # An exponent beyond Decimal's context would raise decimal.Overflow (or
+    # round to 0) in the product: far outside any size either way.
+    if number and number.adjusted() > 60:
+        raise ValueError(f"{name}={value!r}: above the largest accepted size, {MAX_BYTES} bytes")
+    if number and number.adjusted() < -60:
+        raise ValueError(f"{name}={value!r}: not a whole number of bytes")
+    return number * _UNITS[m.group(2).lower()]
 
 
 def integer(name: str, value: Any, lo: int, hi: int, what: str = "an int") -> int:

@@ -24,7 +24,7 @@ CASES = [
     (dict(initial_loss_scale=True), TypeError, r"Config\.initial_loss_scale=True"),
     (dict(min_loss_scale=4.0, initial_loss_scale=2.0), ValueError, r"min_loss_scale=4.0 is above initial_loss_scale"),
     (dict(host_memory=INF), ValueError, r"Config\.host_memory=inf: not a size"),
-    (dict(device_memory="1e400"), ValueError, r"Config\.device_memory='1e400': .* above the largest"),
+    (dict(device_memory="1e400"), ValueError, r"Config\.device_memory='1e400': .*above the largest"),
     (dict(prefetch_bytes=10**30), ValueError, r"Config\.prefetch_bytes=.*above the largest"),
     (dict(host_memory=NAN), ValueError, r"Config\.host_memory=nan"),
     (dict(host_memory=4096.5), ValueError, r"Config\.host_memory=4096.5: not a whole number of bytes"),
@@ -80,7 +80,7 @@ def test_parse_bytes_exact(text, want):
     assert parse_bytes(text, "x") == want
 
 
-@pytest.mark.parametrize("text", ["1e400", "1e-3", "0.3B", math.inf, -math.inf, math.nan, "nan", "inf", b"1"])
+@pytest.mark.parametrize("text", ["1e400", "1e9999999GB", "1e-9999999KiB", "9" * 400, "1e-3", "0.3B", math.inf, -math.inf, math.nan, "nan", "inf", b"1"])
 def test_parse_bytes_refuses(text):
     with pytest.raises((ValueError, TypeError), match=r"^x="):
         parse_bytes(text, "x")
