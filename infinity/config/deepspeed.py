@@ -431,7 +431,7 @@ def from_deepspeed(config: Union[str, Dict[str, Any]], model: Any = None, world_
         config = read_file(source)
     try:
         ds = json.loads(json.dumps(config))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ConfigFileError(f"{source}: not a JSON-like table: {exc}") from None
     m = _Mapper(ds, model, source, _world_size(world_size))
     m.run()

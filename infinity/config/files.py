@@ -46,6 +46,8 @@ def _load_toml(text: str, path: str) -> Dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigFileError(f"{path}: nested too deeply to be a config file") from None
 
 
 def read_file(path: str) -> Dict[str, Any]:
@@ -62,6 +64,8 @@ def read_file(path: str) -> Dict[str, Any]:
     else:
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise ConfigFileError(f"{path}: nested too deeply to be a config file") from None
         except json.JSONDecodeError as exc:
             if ext == ".json":
                 raise ConfigFileError(f"{path}: not valid JSON: {exc}") from None

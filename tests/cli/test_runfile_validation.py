@@ -70,3 +70,11 @@ def test_good_values_pass_and_normalise(tmp_path):
     run = load_run_file(write(tmp_path, body))
     assert run.optimizer.betas == (0.8, 0.99) and run.optimizer.lr == 1.0 and isinstance(run.optimizer.lr, float)
     assert run.config.grad_accumulation_steps == 2 and run.checkpoint.dir.endswith("ck")
+
+
+@pytest.mark.parametrize("name,text", [("deep.json", "[" * 100000), ("deep.toml", "a = " + "[" * 100000)])
+def test_deeply_nested_file_refused(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(ConfigFileError, match="nested too deeply"):
+        load_run_file(str(p))
