@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import List, Optional
 
+from ..config.deepspeed import DeepSpeedConfigWarning
 from ..config.files import ConfigFileError
 from .common import CLIError, UsageError
 
@@ -43,7 +45,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as exc:  # --help (0) and usage errors (2)
         return int(exc.code or 0)
     try:
-        return int(args.run(args))
+        with warnings.catch_warnings():
+            if args.command == "train":  # it prints the DeepSpeed report, which holds the warning's lines
+                warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+            return int(args.run(args))
     except (UsageError, ConfigFileError) as exc:
         print(f"infinity {args.command}: error: {exc}", file=sys.stderr)
         return 2

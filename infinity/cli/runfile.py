@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
+from ..config import validate as V
 from ..config.runtime import Config
 from ..config.files import ConfigFileError, config_from_mapping, nearest, read_file, runtime_table
 from ..config.deepspeed import from_deepspeed, is_deepspeed
@@ -130,10 +131,78 @@ def _section(cls, table: Any, name: str, source: str):
     for key in table:
         if key not in names:
             raise ConfigFileError(f"{source}: unknown key '{name}.{key}'{nearest(key, names)}; valid keys: {names}")
-    kw = dict(table)
-    if "betas" in kw:
-        kw["betas"] = tuple(kw["betas"])
-    return cls(**kw)
+    return cls(**table)
+
+
+def _opt(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    return lambda n, v: None if v is None else check(n, v)
+
+
+def _count(lo: int) -> Callable[[str, Any], int]:
+    return lambda n, v: V.integer(n, v, lo, V.MAX_COUNT)
+
+
+def _betas(name: str, value: Any) -> Tuple[float, float]:
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise TypeError(f"{name}={value!r}: must be a list of two numbers in [0, 1), e.g. [0.9, 0.95]")
+    return tuple(V.real(f"{name}[{i}]", b, 0.0, 1.0, hi_open=True) for i, b in enumerate(value))
+
+
+def _model_size(name: str, value: Any) -> str:
+    from .model import SIZES  # model.py imports this module: import at call time
+    if not isinstance(value, str) or value not in SIZES:
+        raise ValueError(f"{name}={value!r}: choose one of {list(SIZES)}"
+                         f"{nearest(value, SIZES) if isinstance(value, str) else ''}")
+    return value
+
+
+_PATH = _opt(V.text)
+_BOOL = V.boolean
+_SEED = lambda n, v: V.integer(n, v, 0, (1 << 32) - 1, "an int (a numpy/torch seed)")  # noqa: E731
+# [Note: run-file checks]
+# Every key of every section has a check here, applied after the CLI's
+# overrides and before any path is resolved or value used, so a wrong type
+# or range is a ConfigFileError naming 'section.key' (exit 2), never a raw
+# TypeError from os.path or a comparison (exit 1). _check() adds the checks
+# that relate keys to each other. A new key needs a line here (test_runfile_
+# validation checks that every field has one).
+_CHECKS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
+    "model": {"size": _model_size, "path": _PATH, "weights": _PATH,
+              **{k: _opt(lambda n, v: V.integer(n, v, 1, 1 << 20)) for k in ("n_layer", "n_head", "n_embd")},
+              "vocab_size": _opt(lambda n, v: V.integer(n, v, 1, 1 << 31)),
+              "block_size": _opt(lambda n, v: V.integer(n, v, 1, 1 << 24)),
+              "tie_weights": _BOOL, "checkpoint": _BOOL, "lazy": _BOOL},
+    "data": {"path": lambda n, v: v if v == "" else V.text(n, v),
+             "format": lambda n, v: V.choice(n, v, ("auto", "text", "bin", "npy")),
+             "dtype": lambda n, v: V.choice(n, v, ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32",
+                                                   "int64")),
+             "seq_len": lambda n, v: V.integer(n, v, 1, 1 << 24), "micro_batch": _count(1),
+             "grad_accumulation": _opt(_count(1)), "seed": _SEED},
+    "optimizer": {"lr": lambda n, v: V.real(n, v, 0.0, 1e3), "betas": _betas,
+                  "eps": lambda n, v: V.real(n, v, 0.0, 1.0, lo_open=True),
+                  "weight_decay": lambda n, v: V.real(n, v, 0.0, 1e3), "no_decay_norm_and_bias": _BOOL},
+    "schedule": {"warmup_steps": _count(0), "decay": lambda n, v: V.choice(n, v, ("constant", "linear", "cosine")),
+                 "min_lr_ratio": lambda n, v: V.real(n, v, 0.0, 1.0),
+                 "warmup_type": lambda n, v: V.choice(n, v, ("linear", "log"))},
+    "train": {"steps": _count(1), "seed": lambda n, v: V.integer(n, v, *V.SEED_RANGE),
+              "torch_threads": _opt(lambda n, v: V.integer(n, v, 1, V.MAX_THREADS))},
+    "checkpoint": {"dir": _PATH, "every": _count(0), "keep_last": _count(1)},
+    "log": {"metrics": _PATH, "every": _count(1), "progress": _BOOL},
+}
+
+
+def _check_sections(run: RunFile) -> None:
+    """Type- and range-checks every key of every section (normalising it:
+    numpy ints to int, betas to a tuple); raises ConfigFileError naming the key."""
+    for section, checks in _CHECKS.items():
+        obj = getattr(run, section)
+        if obj is None:
+            continue
+        for key, check in checks.items():
+            try:
+                setattr(obj, key, check(f"{section}.{key}", getattr(obj, key)))
+            except (TypeError, ValueError) as exc:
+                raise ConfigFileError(f"{run.source}: '{section}.{key}': {exc}") from None
 
 
 def _relative(path: Optional[str], base: str) -> Optional[str]:
@@ -142,22 +211,10 @@ def _relative(path: Optional[str], base: str) -> Optional[str]:
 
 
 def _check(run: RunFile) -> None:
+    """The checks relating keys to each other (each key alone: _check_sections)."""
     src = run.source
-    checks: List[Tuple[bool, str]] = [
-        (bool(run.data.path), "'data.path' is required: a text file, or a .bin/.npy file of token ids"),
-        (run.data.format in ("auto", "text", "bin", "npy"), "'data.format': choose 'auto', 'text', 'bin' or 'npy'"),
-        (run.data.seq_len >= 1 and run.data.micro_batch >= 1, "'data.seq_len' and 'data.micro_batch' must be >= 1"),
-        (run.train.steps >= 1, "'train.steps' must be >= 1"),
-        (run.log.every >= 1, "'log.every' must be >= 1"),
-        (run.checkpoint.every >= 0 and run.checkpoint.keep_last >= 1,
-         "'checkpoint.every' must be >= 0 and 'checkpoint.keep_last' >= 1"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigFileError(f"{src}: {msg}")
-    if run.schedule is not None and run.schedule.decay not in ("constant", "linear", "cosine"):
-        raise ConfigFileError(f"{src}: 'schedule.decay'={run.schedule.decay!r}: choose 'constant', 'linear' or "
-                              "'cosine'")
+    if not run.data.path:
+        raise ConfigFileError(f"{src}: 'data.path' is required: a text file, or a .bin/.npy file of token ids")
     ga, rga = run.data.grad_accumulation, run.config.grad_accumulation_steps
     if ga is not None and rga != 1 and ga != rga:
         raise ConfigFileError(f"{src}: 'data.grad_accumulation'={ga} but 'runtime.grad_accumulation_steps'={rga}: "
@@ -181,6 +238,7 @@ def load_run_file(path: str, overrides: Optional[Dict[str, Any]] = None) -> RunF
     for key, value in (overrides or {}).items():
         section, _, attr = key.partition(".")
         setattr(getattr(run, section), attr, value)
+    _check_sections(run)
     run.data.path = _relative(run.data.path, path) if run.data.path else ""
     run.model.path = _relative(run.model.path, path)
     if "swap_paths" in table:  # like every path of the file: relative to its folder
@@ -211,5 +269,6 @@ def _from_deepspeed(path: str, overrides: Dict[str, Any]) -> RunFile:
     if rep.micro_batch:
         run.data.micro_batch = rep.micro_batch
     run.data.grad_accumulation = cfg.grad_accumulation_steps
+    _check_sections(run)
     _check(run)
     return run

@@ -1,6 +1,9 @@
 """How a run is described: :class:`Config` (runtime.py), TOML/JSON run files
-(files.py), the DeepSpeed import and its LR schedule (deepspeed.py,
-deepspeed_schedule.py) and the LR schedules (schedules.py). See docs/config.md.
+(files.py), the DeepSpeed import and its LR schedule (deepspeed.py, its
+ignored keys deepspeed_keys.py, its value checks, batch arithmetic and Adam
+defaults deepspeed_values.py, deepspeed_schedule.py), the LR schedules
+(schedules.py) and the checks of single values they share (validate.py).
+See docs/config.md.
 
 Owns: every user-facing knob and its validation. May import: nothing of
 infinity (it is the bottom layer; system/ and everything above import it).

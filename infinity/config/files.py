@@ -46,6 +46,8 @@ def _load_toml(text: str, path: str) -> Dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigFileError(f"{path}: nested too deeply to be a config file") from None
 
 
 def read_file(path: str) -> Dict[str, Any]:
@@ -62,6 +64,8 @@ def read_file(path: str) -> Dict[str, Any]:
     else:
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise ConfigFileError(f"{path}: nested too deeply to be a config file") from None
         except json.JSONDecodeError as exc:
             if ext == ".json":
                 raise ConfigFileError(f"{path}: not valid JSON: {exc}") from None
@@ -89,10 +93,14 @@ def config_from_mapping(table: Mapping[str, Any], source: str = "<dict>", prefix
     try:
         return Config(**dict(table))
     except (ValueError, TypeError) as exc:
-        # Config's messages start "Config.<field>=...": name the key path instead.
+        # Config's messages start "Config.<field>=...": name the key path
+        # instead, and every other key of the table the message names (a
+        # combination such as min_loss_scale above initial_loss_scale).
         msg = str(exc)
         m = re.match(r"Config\.(\w+)", msg)
-        key = f"'{where}{m.group(1)}'" if m else f"'{prefix}'" if prefix else "the config"
+        named = [m.group(1)] if m else []
+        named += [k for k in table if k not in named and re.search(rf"\b{re.escape(k)}\b", msg)]
+        key = ", ".join(f"'{where}{k}'" for k in named) or (f"'{prefix}'" if prefix else "the config")
         raise ConfigFileError(f"{source}: {key}: {msg}") from None
 
 

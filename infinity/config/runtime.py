@@ -9,46 +9,17 @@ See docs/config.md for a description of every field.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from . import validate as V
+from .validate import parse_bytes
+
 __all__ = ["Config", "parse_bytes", "format_bytes"]
-
-# One grammar: decimal "8GB" (10**9), binary "8GiB" (2**30). A bare "8G" is
-# refused: tools disagree on what it means (DeepSpeed and `ls -h` read 2**30).
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-
-
-def parse_bytes(value: Union[int, float, str], name: str = "value") -> int:
-    """Bytes from an int or a string like ``"8GiB"``, ``"512 MiB"``, ``"1.5GB"``.
-
-    Raises ValueError naming ``name`` for negative or unparsable values.
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{name}={value!r}: expected bytes (int) or a size string like '8GiB'")
-    if isinstance(value, (int, float)):
-        if value < 0 or value != value:
-            raise ValueError(f"{name}={value!r}: must be >= 0 bytes")
-        return int(value)
-    if not isinstance(value, str):
-        raise TypeError(f"{name}={value!r}: expected bytes (int) or a size string like '8GiB'")
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-    if m and m.group(2).lower() in ("k", "m", "g", "t"):
-        u = m.group(2).upper()
-        raise ValueError(f"{name}={value!r}: ambiguous unit {m.group(2)!r}; write '{m.group(1)}{u}B' "
-                         f"(decimal, 10^{3 * 'KMGT'.index(u) + 3}) or '{m.group(1)}{u}iB' (binary, "
-                         f"2^{10 * 'KMGT'.index(u) + 10})")
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{name}={value!r}: not a size; use bytes or e.g. '512MiB', '8GiB', '1.5GB', '1e9'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 def format_bytes(n: float) -> str:
     """``n`` bytes as a short human string (binary units)."""
@@ -65,9 +36,7 @@ _OVERLAP = ("step", "backward", "delayed")
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"Config.{name}={value!r}: choose one of {list(choices)}")
-    return value
+    return V.choice(f"Config.{name}", value, choices)
 
 
 @dataclass
@@ -180,9 +149,11 @@ class Config:
     def _validate_device(self) -> None:
         dev = self.device
         if not isinstance(dev, (str, torch.device)):
-            raise TypeError(f"Config.device={dev!r}: use 'auto', 'cuda', 'cuda:N' or 'cpu'")
+            raise TypeError(f"Config.device={dev!r}: use 'auto', 'cuda', 'cuda:N' or 'cpu', not {type(dev).__name__}")
         dev = str(dev)
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", dev):
+        # N below 2**16: a larger index is no device, and torch.device() would
+        # refuse it later with an error that does not name the field.
+        if not re.fullmatch(r"auto|cpu|cuda(:\d{1,5})?", dev) or int(dev.partition(":")[2] or 0) >= 1 << 16:
             raise ValueError(f"Config.device={dev!r}: choose 'auto', 'cuda', 'cuda:N' or 'cpu'")
         self.device = dev
 
@@ -197,50 +168,60 @@ class Config:
                 setattr(self, name, parse_bytes(v, f"Config.{name}"))
 
     def _validate_swap(self) -> None:
-        if isinstance(self.swap_paths, (str, bytes)) or not all(isinstance(p, str) for p in self.swap_paths):
-            raise TypeError(f"Config.swap_paths={self.swap_paths!r}: expected a list of directory paths")
-        self.swap_paths = list(self.swap_paths)
+        paths = self.swap_paths
+        if isinstance(paths, (str, bytes, os.PathLike)) or not isinstance(paths, (list, tuple)):
+            raise TypeError(f"Config.swap_paths={paths!r}: expected a list of directory paths, e.g. "
+                            "['/nvme0/swap']")
+        self.swap_paths = [V.text(f"Config.swap_paths[{i}]", os.fspath(p) if isinstance(p, os.PathLike) else p)
+                           for i, p in enumerate(paths)]
         if not self.swap_paths:
             raise ValueError("Config.swap_paths is empty: give at least one directory")
-        self.swap_block_size = parse_bytes(self.swap_block_size, "Config.swap_block_size")
+        self.swap_block_size = parse_bytes(self.swap_block_size, "Config.swap_block_size", V.MAX_BLOCK)
         if self.swap_block_size < 4096 or self.swap_block_size % 4096:
             raise ValueError(f"Config.swap_block_size={self.swap_block_size}: must be a positive multiple of "
-                             "4096 bytes")
+                             "4096 bytes, at most 1 GiB")
+        self.swap_queue_depth = V.integer("Config.swap_queue_depth", self.swap_queue_depth, 1, V.MAX_QUEUE_DEPTH,
+                                          "an int (requests in flight)")
         _choice("swap_backend", self.swap_backend, ("auto", "io_uring", "threads", "python"))
-        if not isinstance(self.swap_checksum, bool):
-            raise TypeError(f"Config.swap_checksum={self.swap_checksum!r}: must be True or False")
+        V.boolean("Config.swap_checksum", self.swap_checksum)
 
     def _validate_numbers(self) -> None:
-        for name, lo in (("prefetch_depth", 0), ("grad_accumulation_steps", 1), ("loss_scale_growth_interval", 1),
-                         ("swap_queue_depth", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"Config.{name}={v!r}: must be an int >= {lo}")
-        if not isinstance(self.zero_stage, int) or self.zero_stage not in (0, 1, 2, 3):
+        for name, lo, hi in (("prefetch_depth", 0, V.MAX_DEPTH), ("grad_accumulation_steps", 1, V.MAX_COUNT),
+                             ("loss_scale_growth_interval", 1, V.MAX_COUNT)):
+            setattr(self, name, V.integer(f"Config.{name}", getattr(self, name), lo, hi))
+        if not V.is_int(self.zero_stage) or self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"Config.zero_stage={self.zero_stage!r}: choose 0, 1, 2 or 3")
-        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
-                                                   and self.max_grad_norm > 0):
-            raise ValueError(f"Config.max_grad_norm={self.max_grad_norm!r}: must be a float > 0 or None")
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
-            raise ValueError(f"Config.num_threads={self.num_threads!r}: must be an int >= 1 or None")
-        if not (self.loss_scale == "dynamic" or (isinstance(self.loss_scale, (int, float))
-                                                 and not isinstance(self.loss_scale, bool)
-                                                 and self.loss_scale > 0)):
-            raise ValueError(f"Config.loss_scale={self.loss_scale!r}: 'dynamic' or a float > 0")
+        self.zero_stage = int(self.zero_stage)
+        if self.max_grad_norm is not None:
+            self.max_grad_norm = V.real("Config.max_grad_norm", self.max_grad_norm, 0, 1e30, lo_open=True)
+        if self.num_threads is not None:
+            self.num_threads = V.integer("Config.num_threads", self.num_threads, 1, V.MAX_THREADS,
+                                         "an int (or None: all cores)")
+        if self.loss_scale != "dynamic":
+            if isinstance(self.loss_scale, str):
+                raise ValueError(f"Config.loss_scale={self.loss_scale!r}: 'dynamic' or a float > 0")
+            self.loss_scale = V.real("Config.loss_scale", self.loss_scale, 0, V.MAX_LOSS_SCALE, lo_open=True)
         for name in ("initial_loss_scale", "min_loss_scale"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"Config.{name}={v!r}: must be > 0")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise TypeError(f"Config.seed={self.seed!r}: must be an int (a torch.manual_seed seed)")
+            setattr(self, name, V.real(f"Config.{name}", getattr(self, name), 0, V.MAX_LOSS_SCALE, lo_open=True))
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ValueError(f"Config.min_loss_scale={self.min_loss_scale!r} is above initial_loss_scale="
+                             f"{self.initial_loss_scale!r}: the dynamic scale starts at the initial one and never "
+                             "falls below the minimum; lower min_loss_scale")
+        self.seed = V.integer("Config.seed", self.seed, *V.SEED_RANGE, "an int (a torch.manual_seed seed)")
 
     def _validate_unit_classes(self) -> None:
         if self.unit_classes is not None:
             if isinstance(self.unit_classes, (str, type)):
                 self.unit_classes = [self.unit_classes]
+            if not isinstance(self.unit_classes, (list, tuple, set, frozenset)):
+                raise TypeError(f"Config.unit_classes={self.unit_classes!r}: expected a list of classes or class "
+                                "names, e.g. ['Block']")
+            self.unit_classes = list(self.unit_classes)
             for c in self.unit_classes:
                 if not isinstance(c, (str, type)):
                     raise TypeError(f"Config.unit_classes: {c!r} is neither a class nor a class name")
+                if isinstance(c, str) and not c:
+                    raise ValueError("Config.unit_classes: '' is not a class name")
 
     def _validate_combinations(self) -> None:
         if self.zero_stage == 3 and self.offload_params not in ("host", "nvme"):
@@ -292,13 +273,15 @@ class Config:
         return config_from_file(path)
 
     @classmethod
-    def from_deepspeed(cls, config: Any, model: Any = None) -> "Config":
+    def from_deepspeed(cls, config: Any, model: Any = None, world_size: Optional[int] = None) -> "Config":
         """A Config from a DeepSpeed config (a JSON path or a dict); the result's
         ``.report`` (:class:`infinity.config.deepspeed.DeepSpeedReport`) holds the optimizer
         and scheduler settings, batch sizes and every key ignored, with why.
-        ``model`` resolves ``"auto"`` values. See docs/cli.md."""
+        ``model`` resolves ``"auto"`` values; ``world_size`` (default
+        ``$WORLD_SIZE``, else 1) enters DeepSpeed's batch arithmetic. Keys
+        DeepSpeed does not know raise one ``DeepSpeedConfigWarning``. See docs/cli.md."""
         from .deepspeed import from_deepspeed
-        return from_deepspeed(config, model)
+        return from_deepspeed(config, model, world_size)
 
     def to_dict(self) -> dict:
         """The config as a plain dict (for logs and checkpoints); ``Config(**d)``

@@ -8,7 +8,7 @@ import torch
 
 from infinity import Config
 from infinity.config.files import ConfigFileError
-from infinity.config.deepspeed import is_deepspeed
+from infinity.config.deepspeed import DeepSpeedConfigWarning, is_deepspeed
 from infinity.models import GPT, GPTConfig
 
 # Source: Hugging Face Transformers docs, DeepSpeed integration, "NVMe Support"
@@ -161,13 +161,16 @@ def test_deepspeed_unit_test_nvme():
     r = c.report
     _fields(c, zero_stage=3, offload_params="nvme", offload_optimizer="nvme", swap_paths=["/tmp/zero"],
             swap_block_size=1048576, dtype="fp16", initial_loss_scale=256.0)
-    assert r.optimizer == {"adamw_mode": True, "lr": 0.00015}  # DeepSpeed's "Adam" defaults to adam_w_mode
+    # DeepSpeed's "Adam" defaults to adam_w_mode; absent params take DeepSpeed's Adam defaults (issue 35)
+    assert r.optimizer == {"adamw_mode": True, "lr": 0.00015, "betas": (0.9, 0.999), "eps": 1e-8,
+                           "weight_decay": 0.0}
     assert r.micro_batch == 1
     assert set(r.ignored) == {"steps_per_print", "zero_optimization.sub_group_size",
                               "zero_optimization.stage3_max_live_parameters",
                               "zero_optimization.stage3_param_persistence_threshold"}
     assert set(r.defaults) == {"gradient_clipping", "zero_optimization.offload_param.pin_memory",
-                               "zero_optimization.offload_optimizer.pin_memory"}
+                               "zero_optimization.offload_optimizer.pin_memory", "optimizer.params.betas",
+                               "optimizer.params.eps", "optimizer.params.weight_decay"}
 
 
 def test_legacy_keys_misspelling_and_scheduler():
@@ -186,7 +189,8 @@ def test_legacy_keys_misspelling_and_scheduler():
         "train_batch_size": 8,
         "gradient_clippin": 1.0,
     }
-    c = Config.from_deepspeed(ds)
+    with pytest.warns(DeepSpeedConfigWarning, match="gradient_clippin"):
+        c = Config.from_deepspeed(ds)
     r = c.report
     _fields(c, dtype="bf16", zero_stage=2, offload_optimizer="host", offload_params="none", max_grad_norm=0.5,
             grad_accumulation_steps=4, swap_block_size=1003520)
