@@ -33,15 +33,24 @@ import threading
 from collections import Counter
 from typing import Dict, List, Sequence, Tuple
 
-__all__ = ["thread_bounds", "thread_counts", "judge", "rss_slope", "MIN_STEPS", "WARM_UP"]
+__all__ = ["thread_bounds", "thread_counts", "judge", "rss_slope", "steps_needed", "MIN_STEPS", "MIN_STEPS_FULL",
+           "WARM_UP"]
 
 WARM_UP = 0.2  # fraction of the samples dropped before judging: caches fill, executors start
-MIN_STEPS = 100  # post-warm-up samples needed to resolve RSS_SLOPE_QUICK (see [Note: what the soak judges])
-# MiB of RSS per 1000 steps. With 100 samples and a +-3 MiB oscillation the
-# slope's standard error is about 10 MiB/1000 steps: the quick threshold is
-# six of them. The full soak's thousands of steps resolve a finer one.
-RSS_SLOPE_QUICK = 64.0
-RSS_SLOPE_FULL = 8.0
+# Thresholds in MiB of RSS per 1000 steps, and the post-warm-up samples that
+# resolve each. The least-squares slope of n samples oscillating by +-s MiB
+# has a standard error of about s * sqrt(12 / n**3) per step: with s = 3 MiB
+# (the worst seen), 100 samples give about 10 MiB/1000 steps, so the quick
+# threshold is six of them; 400 samples give about 1.3, and the full soak's
+# threshold is six of those. The full soak runs at least that many steps
+# however long --minutes is, so a loaded machine only makes it slower.
+RSS_SLOPE_QUICK, MIN_STEPS = 64.0, 100
+RSS_SLOPE_FULL, MIN_STEPS_FULL = 8.0, 400
+
+
+def steps_needed(quick: bool) -> int:
+    """Steps the soak runs at least, so that ``judge`` has its samples after warm-up."""
+    return int((MIN_STEPS if quick else MIN_STEPS_FULL) / (1 - WARM_UP)) + 1
 
 
 def thread_bounds(swap_queue_depth: int) -> Dict[str, int]:
@@ -98,12 +107,12 @@ def judge(samples: List[dict], bounds: Dict[str, int], quick: bool) -> Tuple[Dic
     figures has ``rss_slope_mib_per_1000_steps``, ``steps_judged`` and
     ``threads_over`` (empty when within the bound)."""
     warm = samples[int(len(samples) * WARM_UP):]
-    limit = RSS_SLOPE_QUICK if quick else RSS_SLOPE_FULL
+    limit, least = (RSS_SLOPE_QUICK, MIN_STEPS) if quick else (RSS_SLOPE_FULL, MIN_STEPS_FULL)
     slope = rss_slope([s["rss"] for s in warm])
     threads_ok, over = _thread_check(samples, bounds)
     total = sum(bounds.values())
     checks = {
-        f"at least {MIN_STEPS} steps after warm-up to resolve the RSS slope (got {len(warm)})": len(warm) >= MIN_STEPS,
+        f"at least {least} steps after warm-up to resolve the RSS slope (got {len(warm)})": len(warm) >= least,
         f"RSS slope after warm-up <= {limit:g} MiB per 1000 steps (got {slope:+.1f})":
             len(warm) >= 2 and slope <= limit,
         f"threads within the runtime's known set at every step (at most {total}: "
@@ -118,11 +127,12 @@ def judge(samples: List[dict], bounds: Dict[str, int], quick: bool) -> Tuple[Dic
 
 
 def soak(ctx) -> dict:
-    """Training with deep prefetch for ``--minutes`` (``--quick``: a fixed
-    number of steps, however long they take), judged by :func:`judge`."""
+    """Training with deep prefetch for ``--minutes`` and at least
+    :func:`steps_needed` steps (``--quick``: just those, however long they
+    take), judged by :func:`judge`."""
     from .scenarios import _row
     seconds = 0 if ctx.quick else 60 * ctx.minutes
-    steps = int(MIN_STEPS / (1 - WARM_UP)) + 1  # the least that resolves the slope
+    steps = steps_needed(ctx.quick)
     mins = ctx.budgets(depth=4)
     res = ctx.run(ctx.job(end=steps, seconds=seconds, depth=4, sample=True, device_memory=2 * mins["device"],
                           host_memory=max(mins["host"], mins["state"] // 3)), timeout=seconds + 900)

@@ -5,7 +5,8 @@ No process runs and nothing is timed."""
 
 import random
 
-from infinity.stress.soak import MIN_STEPS, RSS_SLOPE_FULL, RSS_SLOPE_QUICK, judge, rss_slope, thread_bounds
+from infinity.stress.soak import (MIN_STEPS, MIN_STEPS_FULL, RSS_SLOPE_FULL, RSS_SLOPE_QUICK, WARM_UP, judge, rss_slope,
+                                  steps_needed, thread_bounds)
 
 BOUNDS = thread_bounds(swap_queue_depth=16)
 MiB = 1 << 20
@@ -28,7 +29,7 @@ def test_the_bound_is_the_runtimes_named_thread_set():
 
 def test_flat_run_passes_quick_and_full():
     for quick in (True, False):
-        checks, fig = judge(series(), BOUNDS, quick)
+        checks, fig = judge(series(n=steps_needed(quick)), BOUNDS, quick)
         assert not failed(checks), checks
         assert fig["rss_slope_mib_per_1000_steps"] == 0 and fig["threads_over"] == ""
 
@@ -77,8 +78,18 @@ def test_a_steady_rss_climb_fails():
 
 
 def test_too_few_steps_cannot_pass():
-    checks, _ = judge(series(n=MIN_STEPS), BOUNDS, True)
-    assert [k for k in failed(checks) if k.startswith("at least")]
+    for quick, least in ((True, MIN_STEPS), (False, MIN_STEPS_FULL)):
+        assert int(steps_needed(quick) * (1 - WARM_UP)) >= least  # the soak runs enough
+        checks, _ = judge(series(n=least), BOUNDS, quick)
+        assert [k for k in failed(checks) if k.startswith("at least")]
+
+
+def test_oscillating_flat_rss_passes_the_full_soaks_finer_threshold():
+    rng = random.Random(9)
+    n = steps_needed(False)
+    rss = [400 * MiB + rng.choice([0, 6 * MiB, 7 * MiB]) for _ in range(n)]
+    checks, fig = judge(series(n=n, rss=lambda i: rss[i]), BOUNDS, False)
+    assert not failed(checks), checks
 
 
 def test_fds_opened_lazily_pass_an_fd_leak_fails():
