@@ -135,6 +135,16 @@ def _save(runf: RunFile, model, optimizer, scheduler, step: int, sampler: Sample
     return step
 
 
+def _save_under_pressure(runf: RunFile, model, optimizer, scheduler, step: int, sampler: Sampler):
+    """(``step``, "") once saved, or (None, why not): a save that fails for
+    want of memory is said beside the MemoryPressureError, which stays the
+    error the command exits with."""
+    try:
+        return _save(runf, model, optimizer, scheduler, step, sampler), ""
+    except Exception as exc:  # noqa: BLE001 - said, then the pressure error is raised
+        return None, f"{type(exc).__name__}: {exc}"
+
+
 def _step(optimizer) -> Optional[BaseException]:
     """``optimizer.step()``; returns the MemoryPressureError it raised, else None.
 
@@ -168,7 +178,7 @@ def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn,
     accum = d.grad_accumulation
     metrics = Metrics(runf.log.metrics, runf.log.every, runf.train.steps, start,
                       d.micro_batch * d.seq_len * accum, runf.log.progress)
-    step, recs, pressure, saved_at = start, [], None, None
+    step, recs, pressure, saved_at, unsaved = start, [], None, None, ""
     try:
         with _Interrupt() as stop:
             while step < runf.train.steps and not stop.hit and pressure is None:
@@ -186,10 +196,13 @@ def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn,
                 step += 1
                 rec = metrics.record(step, total, lr, infinity.stats(model))
                 recs = [recs[0] if recs else rec, rec]  # the first and the latest
-                if ck.dir and ck.every and step % ck.every == 0:
+                if ck.dir and ck.every and step % ck.every == 0 and pressure is None:
                     saved_at = _save(runf, model, optimizer, scheduler, step, sampler)
             if ck.dir and saved_at != step and (stop.hit or pressure is not None or not ck.every or step % ck.every):
-                saved_at = _save(runf, model, optimizer, scheduler, step, sampler)
+                if pressure is None:
+                    saved_at = _save(runf, model, optimizer, scheduler, step, sampler)
+                else:
+                    saved_at, unsaved = _save_under_pressure(runf, model, optimizer, scheduler, step, sampler)
             interrupted = stop.hit
     finally:
         metrics.close()
@@ -198,6 +211,7 @@ def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn,
     if pressure is not None:
         print(f"infinity train: memory pressure after step {step}: " +
               (f"checkpoint of step {step} in {ck.dir} (resume with --resume)" if saved_at == step else
+               f"the checkpoint of step {step} could not be saved ({unsaved})" if unsaved else
                "no [checkpoint] section in the run file, so nothing was saved"), file=sys.stderr)
         raise pressure
     if interrupted:

@@ -63,3 +63,24 @@ def test_memory_pressure_without_a_checkpoint_section_says_nothing_was_saved(tmp
     assert "MemoryPressureError" in err and "save a checkpoint now" in err
     assert "no [checkpoint] section in the run file, so nothing was saved" in err
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_save_that_fails_under_pressure_is_said_and_the_pressure_error_stays(tmp_path, monkeypatch, capsys):
+    p = run_file(tmp_path, steps=6, runtime=NVME, extra='[checkpoint]\ndir = "ckpt"\nevery = 1')
+    _squeezed(monkeypatch)
+    saved = []
+    real_save = infinity.save_checkpoint
+
+    def save_checkpoint(d, model, optimizer, **kw):
+        # The save of the step that raised fails, as a save short of memory would.
+        if any(e["action"] == "out of memory" for e in infinity.stats(model)["pressure_events"]):
+            raise OSError(12, "Cannot allocate memory")
+        saved.append(kw["extra"]["step"])
+        return real_save(d, model, optimizer, **kw)
+    monkeypatch.setattr(infinity, "save_checkpoint", save_checkpoint)
+    assert cli("train", p) == 1
+    err = capsys.readouterr().err
+    done = len(_losses(tmp_path))
+    assert saved == list(range(1, done))  # every step saved until the one under pressure
+    assert f"the checkpoint of step {done} could not be saved (OSError: [Errno 12] Cannot allocate memory)" in err
+    assert "error: MemoryPressureError" in err, err
