@@ -60,7 +60,7 @@ def test_limit_below_the_floor_is_refused_before_anything_is_allocated(tmp_path,
         infinity.initialize(m, config(tmp_path / "swap"), lr=1e-2)
     msg = str(e.value)
     assert isinstance(e.value, infinity.BudgetError)  # a budget refusal: callers catching BudgetError see it
-    assert f"allows {limit} bytes" in msg and path in msg, msg
+    assert f"cgroup limit is {limit} bytes" in msg and path in msg, msg
     assert int(msg.split("below the ")[1].split(" bytes")[0]) > limit, msg
     assert "host pool minimum" in msg and "NVMe staging" in msg and "Raise the limit to at least" in msg, msg
     assert not (tmp_path / "swap").exists()  # refused before the tiers: no swap folder made
@@ -166,5 +166,5 @@ def test_a_real_cgroup_below_the_floor_is_refused_not_killed(tmp_path):
             pass
     assert r.returncode == 0 and res is not None, (r.returncode, r.stderr[-2000:])  # not SIGKILLed
     # The limit read may be a page-rounded one of the limit written.
-    assert res["error"] and "allows " in res["error"] and cg in res["error"], res
-    assert abs(int(res["error"].split("allows ")[1].split(" bytes")[0]) - limit) < 1 << 16, res
+    assert res["error"] and "cgroup limit is " in res["error"] and cg in res["error"], res
+    assert abs(int(res["error"].split("cgroup limit is ")[1].split(" bytes")[0]) - limit) < 1 << 16, res

@@ -24,7 +24,7 @@ def test_memory_pressure_error_mid_run_passes():
 
 def test_a_named_refusal_at_start_up_passes():
     for err in ("BudgetError: host tier: a pool of 5000 bytes (4.9 KiB) for host_memory=None is more than ...",
-                "MemoryLimitError: the cgroup limit 300 MiB (/sys/fs/cgroup/x) is below the run's floor of 350 MiB"):
+                "MemoryLimitError: memory limit: this process's cgroup limit is 314572800 bytes (300.00 MiB, /sys/fs/cgroup/x), below the 367001600 bytes (350.00 MiB) this run needs"):
         ok, how = squeezed_outcome(res(err, {}), REF)
         assert ok and how.startswith("refused at start-up")
 

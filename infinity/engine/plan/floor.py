@@ -83,7 +83,7 @@ def check_memory_floor(model: nn.Module, host_min: int, device_min: int, on_cpu:
         return
     from ...config.runtime import format_bytes as fb
     raise MemoryLimitError(
-        f"memory limit: this process's cgroup allows {lim.limit} bytes ({fb(lim.limit)}, {lim.path}), below the "
+        f"memory limit: this process's cgroup limit is {lim.limit} bytes ({fb(lim.limit)}, {lim.path}), below the "
         f"{f['floor']} bytes ({fb(f['floor'])}) this run needs at its smallest budgets: {fb(f['base'])} of "
         f"interpreter and libraries now, then the larger of training (host pool minimum {fb(f['host_pool'])}, "
         f"NVMe staging {fb(f['staging'])}, runtime {fb(f['runtime'])}"
