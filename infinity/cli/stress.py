@@ -3,7 +3,7 @@
 Trains a model whose state is about 3x the host budget it sets, with NVMe
 swap, through each scenario in its own processes (a kill is observed, not
 suffered): budget squeeze, RAM squeeze, pinned-memory squeeze, disk faults,
-process faults and a soak (infinity/stress/scenarios.py says what each
+process faults and a soak (infinity/stress/scenarios.py and soak.py say what each
 checks). Prints a table, writes OUT/stress.json and, with matplotlib,
 OUT/stress.png. Exit 0 when every scenario passed, 1 otherwise.
 """
