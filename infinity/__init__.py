@@ -23,6 +23,7 @@ from .engine.faults import EngineFailedError
 from .engine.adapt.pressure import MemoryPressureError
 from .engine.owners.residency import DeviceOutOfMemoryError
 from .engine.mechanism.tiers import BudgetError
+from .engine.plan.floor import MemoryLimitError
 from .lazy_init import init
 from .checkpoint.pretrained import load_pretrained
 from .optim import CPUAdamW
@@ -30,6 +31,7 @@ from .optim import CPUAdamW
 __version__ = "0.1.0"
 
 __all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "full_state_dict", "BudgetError",
+           "MemoryLimitError",
            "EngineFailedError", "init", "load_pretrained", "close", "save_checkpoint", "load_checkpoint",
            "verify_checkpoint", "export_pretrained", "CorruptCheckpointError", "CheckpointSpaceError", "MemoryPressureError", "DeviceOutOfMemoryError", "AsyncCheckpoint",
            "__version__"]

@@ -177,7 +177,8 @@ def _lock_state(lock: str) -> Optional[str]:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return ""
         except BlockingIOError:
-            return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            # The first line is the pid; the run's record of its files follows (io/swap/record.py).
+            return os.pread(fd, 32, 0).decode(errors="replace").split("\n")[0].strip() or "unknown"
     finally:
         os.close(fd)
 

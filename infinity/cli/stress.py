@@ -3,7 +3,7 @@
 Trains a model whose state is about 3x the host budget it sets, with NVMe
 swap, through each scenario in its own processes (a kill is observed, not
 suffered): budget squeeze, RAM squeeze, pinned-memory squeeze, disk faults,
-process faults and a soak (infinity/stress/scenarios.py says what each
+process faults and a soak (infinity/stress/scenarios.py and soak.py say what each
 checks). Prints a table, writes OUT/stress.json and, with matplotlib,
 OUT/stress.png. Exit 0 when every scenario passed, 1 otherwise.
 """
@@ -46,8 +46,8 @@ def _table(rows: List[dict]) -> str:
         p50 = f"{r['p50_s']:.3f}" if r.get("p50_s") else "-"
         p95 = f"{r['p95_s']:.3f}" if r.get("p95_s") else "-"
         resumed = {True: "exact", False: "NOT"}.get(r.get("resumed_exactly"), "-")
-        slope = r.get("rss_slope_bytes_per_min")
-        leak = f"{slope / 2**20:+.2f}MiB/min" if slope is not None else "-"
+        slope = r.get("rss_slope_mib_per_1000_steps")
+        leak = f"{slope:+.1f}MiB/kstep" if slope is not None else "-"
         err = (r.get("first_error") or "-").split("\n")[0][:60]
         lines.append(f"{r['name']:24}{'PASS' if r['passed'] else 'FAIL':8}{p50:>7}{p95:>7} {resumed:8}{leak:>13}  "
                      f"{tiers:28} {err}")

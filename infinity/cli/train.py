@@ -4,6 +4,12 @@ file (or a DeepSpeed JSON plus ``--data``) through infinity.
 SIGINT (Ctrl-C) finishes the current step, saves a checkpoint when the run
 file has a ``[checkpoint]`` section, closes the engine (swap files removed)
 and exits with status 130; a second SIGINT interrupts at once.
+
+``MemoryPressureError`` (RAM is running out and infinity has nothing left to
+give back) is raised at the end of ``optimizer.step()``, after the update:
+that step is whole. The command finishes its bookkeeping, saves a checkpoint
+of it when the run file has a ``[checkpoint]`` section, closes the engine and
+exits with status 1 naming the error (and where the checkpoint is).
 """
 
 from __future__ import annotations
@@ -121,10 +127,35 @@ def _setup(runf: RunFile):
     return model, optimizer, scheduler, sampler, loss_fn
 
 
-def _save(runf: RunFile, model, optimizer, scheduler, step: int, sampler: Sampler) -> None:
+def _save(runf: RunFile, model, optimizer, scheduler, step: int, sampler: Sampler) -> int:
+    """Saves a checkpoint of ``step`` (the number of steps done); returns ``step``."""
     infinity.save_checkpoint(runf.checkpoint.dir, model, optimizer, lr_scheduler=scheduler,
                              extra={"step": step, "sampler": sampler.state_dict()},
                              keep_last=runf.checkpoint.keep_last)
+    return step
+
+
+def _save_under_pressure(runf: RunFile, model, optimizer, scheduler, step: int, sampler: Sampler):
+    """(``step``, "") once saved, or (None, why not): a save that fails for
+    want of memory is said beside the MemoryPressureError, which stays the
+    error the command exits with."""
+    try:
+        return _save(runf, model, optimizer, scheduler, step, sampler), ""
+    except Exception as exc:  # noqa: BLE001 - said, then the pressure error is raised
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _step(optimizer) -> Optional[BaseException]:
+    """``optimizer.step()``; returns the MemoryPressureError it raised, else None.
+
+    The engine raises it at the end of the step, after the update ([Note:
+    memory pressure]): the step is whole, so the loop counts it, saves it and
+    then stops, where letting it propagate would lose it."""
+    try:
+        optimizer.step()
+    except infinity.MemoryPressureError as exc:
+        return exc
+    return None
 
 
 def _train(runf: RunFile, resume_dir: Optional[str]) -> int:
@@ -147,10 +178,10 @@ def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn,
     accum = d.grad_accumulation
     metrics = Metrics(runf.log.metrics, runf.log.every, runf.train.steps, start,
                       d.micro_batch * d.seq_len * accum, runf.log.progress)
-    step, recs = start, []
+    step, recs, pressure, saved_at, unsaved = start, [], None, None, ""
     try:
         with _Interrupt() as stop:
-            while step < runf.train.steps and not stop.hit:
+            while step < runf.train.steps and not stop.hit and pressure is None:
                 total = 0.0
                 for _ in range(accum):
                     x, y = sampler.next_batch()
@@ -158,22 +189,31 @@ def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn,
                     optimizer.scale_loss(loss).backward()
                     total += float(loss.detach())
                 lr = optimizer.param_groups[0]["lr"]
-                optimizer.step()
+                pressure = _step(optimizer)
                 optimizer.zero_grad()
                 if scheduler is not None:
                     scheduler.step()
                 step += 1
                 rec = metrics.record(step, total, lr, infinity.stats(model))
                 recs = [recs[0] if recs else rec, rec]  # the first and the latest
-                if ck.dir and ck.every and step % ck.every == 0:
-                    _save(runf, model, optimizer, scheduler, step, sampler)
-            if ck.dir and (stop.hit or not ck.every or step % ck.every):
-                _save(runf, model, optimizer, scheduler, step, sampler)
+                if ck.dir and ck.every and step % ck.every == 0 and pressure is None:
+                    saved_at = _save(runf, model, optimizer, scheduler, step, sampler)
+            if ck.dir and saved_at != step and (stop.hit or pressure is not None or not ck.every or step % ck.every):
+                if pressure is None:
+                    saved_at = _save(runf, model, optimizer, scheduler, step, sampler)
+                else:
+                    saved_at, unsaved = _save_under_pressure(runf, model, optimizer, scheduler, step, sampler)
             interrupted = stop.hit
     finally:
         metrics.close()
     if recs:
         _summary(recs[0], recs[-1])
+    if pressure is not None:
+        print(f"infinity train: memory pressure after step {step}: " +
+              (f"checkpoint of step {step} in {ck.dir} (resume with --resume)" if saved_at == step else
+               f"the checkpoint of step {step} could not be saved ({unsaved})" if unsaved else
+               "no [checkpoint] section in the run file, so nothing was saved"), file=sys.stderr)
+        raise pressure
     if interrupted:
         print(f"infinity train: interrupted after step {step}" + (f"; checkpoint in {ck.dir}" if ck.dir else ""),
               file=sys.stderr)

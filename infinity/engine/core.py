@@ -24,6 +24,8 @@ from .owners.host_cache import HostCache
 from .mechanism.mover import DeferredTicket, make_mover
 from .mechanism.nvme import NvmeTier
 from .owners.optstate import OptimizerState
+from .plan.floor import check_memory_floor
+from .plan.limits import STAGING_PER_PATH
 from .plan.placement import host_need, modes_of, nvme_capacity, place_unit
 from .adapt.pressure import PressureMonitor
 from .owners.residency import Residency
@@ -83,8 +85,12 @@ class Engine:
         """The tiers under their budgets, and the owners that work on them."""
         cfg, modes = self.config, self.modes
         self.budget = DeviceBudget(self.units, modes, self.device, cfg.device_memory)
-        dev_tier = self.budget.first_tier()
         need = host_need([u.place for u in self.units], modes)
+        # Before any tier is allocated: a cgroup limit below the run's floor is
+        # a named refusal, not a silent SIGKILL in step 1 ([Note: the memory floor]).
+        check_memory_floor(self.model, need.minimum, self.budget.minimum(), self.device.type == "cpu",
+                           STAGING_PER_PATH * cfg.swap_block_size * len(cfg.swap_paths) if modes.nvme_used else 0)
+        dev_tier = self.budget.first_tier()
         self.host_budget = host_budget(cfg.host_memory, need)
         host_tier = HostTier(need.capacity, self.host_budget, pin=self.device.type == "cuda",
                              need_bytes=need.minimum, device=self.device)

@@ -16,9 +16,10 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 from .fs import loop_ext4, unmount
+from .soak import soak
 
 __all__ = ["SCENARIOS", "Context"]
 
@@ -179,13 +180,48 @@ def _rss_need(ctx: Context) -> int:
     return estimate_peaks(model, cfg)["rss"]["peak"]
 
 
+# [Note: what a squeezed run may do]
+# The promise under memory pressure is: never OOM-killed, a named error,
+# nothing lost. So a run squeezed from outside (a ballast, a cgroup limit)
+# passes when it ends in one of three ways: it finished; it stopped mid-run
+# with MemoryPressureError (the state whole, a checkpoint can be saved); or
+# initialize refused it before any step ran, with a named error naming the
+# bytes (BudgetError, or MemoryLimitError when the cgroup limit is below the
+# run's floor). And the steps it did run give the undisturbed run's losses.
+# It fails when it is killed (SIGKILL: the OOM killer), ends with any other
+# error, or a step's loss differs.
+REFUSALS = ("BudgetError", "MemoryLimitError")  # named start-up refusals (infinity.engine.mechanism.tiers)
+SQUEEZED_OK = "finished, stopped with MemoryPressureError, or refused at start-up naming the bytes; " \
+    "not OOM-killed; the steps run give the undisturbed losses"
+
+
+def squeezed_outcome(res: dict, ref: Dict[int, float]) -> tuple:
+    """(passed, what happened) for a run squeezed from outside, by [Note: what a squeezed run may do];
+    ``res`` is a job's result, ``ref`` the undisturbed run's losses."""
+    err, losses = res.get("error") or "", res.get("losses") or {}
+    name = err.split(":")[0]
+    same = all(ref.get(k) == v for k, v in losses.items())
+    if res.get("returncode") == -9:
+        return False, f"killed by SIGKILL (the OOM killer) after {len(losses)} steps"
+    if not err:
+        how, ok = "finished", res.get("returncode") == 0
+    elif name == "MemoryPressureError":
+        how, ok = f"stopped with MemoryPressureError after {len(losses)} steps", True
+    elif name in REFUSALS and not losses:
+        how, ok = f"refused at start-up: {err[:160]}", "bytes" in err or "MiB" in err
+    else:
+        how, ok = f"ended with an error the promise does not name: {err[:160]}", False
+    return ok and same, how + ("" if same else "; the losses differ from the undisturbed run's")
+
+
 def _ballast_cases(ctx: Context, need: int):
     """The run beside a ballast that leaves the machine's MemAvailable at
     its need (estimated peak RSS) plus twice the monitor's margin, then at
-    its need alone, so the run's own pages take it below the margin: the run goes on (giving way where it must) or stops with
-    MemoryPressureError; neither it nor the ballast is OOM-killed."""
+    its need alone, so the run's own pages take it below the margin: the run
+    ends as [Note: what a squeezed run may do] allows, and the ballast is not
+    OOM-killed either."""
     from ..engine.adapt.pressure import MIN_MARGIN
-    checks, outcomes = {}, []
+    checks, outcomes, ref = {}, [], ctx.reference()
     for name, leave in (("above", need + 2 * MIN_MARGIN), ("below", need)):
         b = subprocess.Popen([sys.executable, "-m", "infinity.stress.ballast", str(leave)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
@@ -196,14 +232,12 @@ def _ballast_cases(ctx: Context, need: int):
         finally:
             b.stdin.close()
             b.wait(timeout=60)
-        err = res.get("error") or ""
-        ok = res["returncode"] != -9 and alive and (res["error"] is None or "MemoryPressureError" in err)
+        ok, how = squeezed_outcome(res, ref)
         taken = int(ready[1]) if len(ready) == 2 else 0
-        checks[f"ballast leaves {leave >> 20} MiB ({name} the need {need >> 20} MiB + the margin): went on or stopped "
-               "with MemoryPressureError, nothing OOM-killed"] = ok
+        checks[f"ballast leaves {leave >> 20} MiB ({name} the need {need >> 20} MiB + the margin): {SQUEEZED_OK}; "
+               "the ballast not OOM-killed"] = ok and alive
         acts = sorted({e["action"] for e in res.get("events") or []})
-        outcomes.append(f"{name}: ballast took {taken >> 20} MiB, run " +
-                        ("finished" if res["error"] is None else err.split(":")[0]) +
+        outcomes.append(f"{name}: ballast took {taken >> 20} MiB, run {how}" +
                         (f", gave way ({', '.join(acts)})" if acts else "") +
                         ("" if alive else ", the kernel killed the ballast"))
     return checks, outcomes
@@ -232,23 +266,21 @@ def _memory_cgroup(ctx: Context) -> Optional[str]:
 
 def _cgroup_cases(ctx: Context, cg: str, need: int):
     """The run under a cgroup limit just above, then just below, its need
-    (bytes of estimated peak RSS): it goes on (giving way where it must) or
-    stops with MemoryPressureError; never killed by the OOM killer."""
+    (bytes of estimated peak RSS): it ends as [Note: what a squeezed run may
+    do] allows (below the need, a refusal at start-up is one right answer)."""
     v1 = os.path.exists(os.path.join(cg, "memory.limit_in_bytes"))
     limit_file = os.path.join(cg, "memory.limit_in_bytes" if v1 else "memory.max")
-    checks, outcomes = {}, []
+    checks, outcomes, ref = {}, [], ctx.reference()
     try:
         for name, limit in (("above", int(need * 1.25)), ("below", int(need * 0.9))):
             with open(limit_file, "w") as f:
                 f.write(str(limit))
             res = ctx.run(ctx.job(end=ctx.steps), preexec=lambda: _join(cg))
-            err = res.get("error") or ""
-            ok = res["returncode"] != -9 and (res["error"] is None or "MemoryPressureError" in err)
-            checks[f"cgroup limit {limit >> 20} MiB ({name} the estimated need {need >> 20} MiB): went on or "
-                   "stopped with MemoryPressureError, not OOM-killed"] = ok
+            ok, how = squeezed_outcome(res, ref)
+            checks[f"cgroup limit {limit >> 20} MiB ({name} the estimated need {need >> 20} MiB): {SQUEEZED_OK}"] = ok
             acts = sorted({e["action"] for e in res.get("events") or []})
-            outcomes.append(f"{name}: " + ("finished" if res["error"] is None else err.split(":")[0])
-                            + (f", gave way ({', '.join(acts)})" if acts else "") + f", exit {res['returncode']}")
+            outcomes.append(f"{name}: {how}" + (f", gave way ({', '.join(acts)})" if acts else "")
+                            + f", exit {res['returncode']}")
     finally:
         try:
             os.rmdir(cg)
@@ -396,39 +428,6 @@ def process_faults(ctx: Context) -> dict:
             dead["returncode"] == -9 and again["error"] is None and min(again["losses"], default=99) == 2 and \
             all(ref[k] == v for k, v in again["losses"].items())
     return _row("process faults", checks, first, resumed_exactly=all(v for k, v in checks.items() if "resumed" in k))
-
-
-def soak(ctx: Context) -> dict:
-    """Training for a while with deep prefetch: RSS, file descriptors,
-    threads, swap-file bytes and pinned bytes flat after warm-up (RSS slope <= 1 MiB/min; the 20 s ``--quick``
-    soak bounds the growth after warm-up to 4 MiB instead)."""
-    seconds = 20 if ctx.quick else 60 * ctx.minutes
-    mins = ctx.budgets(depth=4)
-    res = ctx.run(ctx.job(end=0, seconds=seconds, depth=4, sample=True, device_memory=2 * mins["device"],
-                          host_memory=max(mins["host"], mins["state"] // 3)), timeout=seconds + 300)
-    s = res.get("samples") or []
-    warm = s[len(s) // 5:] if len(s) >= 10 else s
-    slope = _slope([x["t"] for x in warm], [x["rss"] for x in warm]) * 60 if len(warm) >= 2 else float("inf")
-    checks = {"ran": res["error"] is None and bool(s)}
-    if ctx.quick:
-        # 20 s cannot resolve a 1 MiB/min slope (allocator steps of a few hundred KiB would
-        # extrapolate past it): the short soak bounds the growth after warm-up instead.
-        checks["RSS growth after warm-up <= 4 MiB"] = bool(warm) and warm[-1]["rss"] - warm[0]["rss"] <= 4 << 20
-    else:
-        checks["RSS slope <= 1 MiB/min"] = slope <= (1 << 20)
-    checks.update({
-              "no fd growth": bool(warm) and warm[-1]["fds"] <= warm[0]["fds"],
-              "no thread growth": bool(warm) and warm[-1]["threads"] <= warm[0]["threads"],
-              "no swap-file growth": bool(warm) and warm[-1]["swap_bytes"] <= warm[0]["swap_bytes"],
-              "no pinned-memory growth": bool(warm) and warm[-1]["pinned"] <= warm[0]["pinned"]})
-    return _row("soak", checks, res, rss_slope_bytes_per_min=slope, steps=len(res.get("step_s") or []),
-                seconds=seconds, samples=s)
-
-
-def _slope(xs: List[float], ys: List[float]) -> float:
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    den = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
 
 
 SCENARIOS = {"budget": budget_squeeze, "ram": ram_squeeze, "pinned": pinned_squeeze, "disk": disk_faults,

@@ -63,6 +63,8 @@ def _flip_moments(eng) -> None:
 def _sample(samples: list, eng, job: dict) -> None:
     """RSS, open fds, threads, swap-file bytes on disk and pinned bytes (locked pages, or the pinned pool) now."""
     from infinity.system import sysinfo
+
+    from .soak import thread_counts
     swap = 0
     for d, _, files in os.walk(job["swap"]):
         for f in files:
@@ -73,7 +75,7 @@ def _sample(samples: list, eng, job: dict) -> None:
     tier = eng.room.tier
     pinned = (sysinfo.locked_bytes()) + (tier.pool.capacity_bytes if tier.pinned else 0)
     samples.append({"t": time.time(), "rss": sysinfo.rss_bytes(), "fds": len(os.listdir("/proc/self/fd")),
-                    "threads": threading.active_count(), "swap_bytes": swap, "pinned": pinned})
+                    "threads": threading.active_count(), "thread_names": thread_counts(), "swap_bytes": swap, "pinned": pinned})
 
 
 def _step(job, model, opt, eng, step: int) -> float:
@@ -124,6 +126,9 @@ def run(job: dict) -> dict:
     model, cfg = build(job)
     model, opt = infinity.initialize(model, cfg, lr=1e-3, weight_decay=0.1)
     eng = engine_of(model)
+    if job.get("sample"):
+        from .soak import thread_bounds
+        res["thread_bounds"] = thread_bounds(eng.config.swap_queue_depth)
     if job.get("io_fault"):
         eng.nvme.store._inject_fault(*job["io_fault"].split(":"))
     if job.get("pressure"):

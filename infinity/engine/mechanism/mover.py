@@ -76,7 +76,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Ticket", "CpuMover", "CudaMover", "make_mover", "done_ticket", "on_host_job"]
+__all__ = ["Ticket", "CpuMover", "CudaMover", "make_mover", "done_ticket", "on_host_job", "WORKER_THREADS"]
 
 _host_job_state = threading.local()
 
@@ -252,7 +252,7 @@ def _worker_init() -> None:
 
 
 def _executor(name: str) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_worker_init)
+    return ThreadPoolExecutor(WORKER_THREADS[name], thread_name_prefix=name, initializer=_worker_init)
 
 
 def _noop() -> None:
@@ -261,6 +261,17 @@ def _noop() -> None:
 
 _CAST_CHUNK = 1 << 20  # elements per piece of a split upcast
 _CAST_THREADS = 4
+
+# [Note: the mover's threads]
+# Every worker thread a mover may start, by name prefix, with the most of each
+# that can exist at once (one mover per engine; the cast pool is shared by the
+# process). The executors start their threads lazily, on the first job, so a
+# run may show fewer, and a new name may appear mid-run; never more than this.
+# ``_executor`` takes its worker count from here, so an executor not listed
+# cannot be made, and the stress soak (infinity/stress/soak.py) bounds the
+# process's threads by this table.
+WORKER_THREADS = {"infinity-h2d": 1, "infinity-d2h": 1, "infinity-host": 1, "infinity-grad": 1,
+                  "infinity-chain": 1, "infinity-cast": _CAST_THREADS}
 _cast_pool: Optional[ThreadPoolExecutor] = None
 
 

@@ -67,7 +67,8 @@ class NvmeTier:
                     self._made.append((os.path.abspath(p), fd, pfd))
             self.store = SwapStore(dirs, capacity_bytes=capacity_bytes, block_size=block_size,
                                    queue_depth=queue_depth, staging_bytes=STAGING_PER_PATH * len(dirs) * block_size,
-                                   backend=backend, checksum=checksum)
+                                   backend=backend, checksum=checksum,
+                                   roots=[os.path.abspath(p) for p in paths])  # rank folders: no link followed
         except BaseException:
             self._remove_made()
             raise

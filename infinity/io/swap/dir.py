@@ -19,9 +19,14 @@ restarted container's run often has the dead run's pid, even our own).
   it); else the store refuses, naming it. A file in place is never written or
   truncated: a dead run's lock is unlinked and replaced.
 - Holding the lock, the store unlinks the files of dead runs: those with
-  infinity's names that are regular files of our uid with a free flock. What
-  it cannot reclaim (another uid's, flock held, unlink failed) is logged and
-  named by :class:`SwapFullError`.
+  infinity's names that are regular files of our uid with a free flock, and,
+  for data files, recorded by the dead run's lock as made by it ([Note: a
+  run's record] in record.py; a name is no proof). What it cannot reclaim
+  (another uid's, flock held, no record, unlink failed) is logged and named
+  by :class:`SwapFullError`.
+- The directory is reached without following symbolic links below the
+  configured swap path (``root``): a link there (``S/rank0 -> elsewhere``)
+  would put the lock and the swap files elsewhere and reclaim files there.
 - Files are removed by the directory's fd, once the name is checked to lead
   to the inode the store holds open. A directory removed and made again under
   a live store (``rm -rf``) keeps the new store's files, and after
@@ -39,13 +44,16 @@ import secrets
 import stat
 from typing import List, Optional, Tuple
 
-from ..errors import (StoreLockedError, SwapPathError, SwapPathNotDirectoryError, SwapPathPermissionError,
-                      SwapPathReadOnlyError, SwapPathUnsafeError)
+from . import record
+from ..errors import StoreLockedError, SwapPathError, SwapPathReadOnlyError, SwapPathUnsafeError
+from .path_errors import no_dirs_here as _no_dirs_here, path_error
+
+__all__ = ["LOCK_NAME", "path_error", "make_dir", "open_dir", "check_private", "acquire_lock", "reclaim",
+           "remove_own", "remove_own_dir"]
 
 LOCK_NAME = ".infinity-swap.lock"
 _DATA_RE = re.compile(r"swap-\d+-\d+\.bin")
 _TMP_RE = re.compile(re.escape(LOCK_NAME) + r"\.\d+\.[0-9a-f]+")
-_PID_RE = re.compile(rb"\d+\n")
 # Existing files are opened to be flocked and read, never written. O_NONBLOCK:
 # a FIFO planted under the name must not block the open.
 _OPEN_EXISTING = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -56,59 +64,29 @@ Reclaimed = List[Tuple[str, int]]
 Left = List[Tuple[str, int, str]]
 
 
-# -- errors -----------------------------------------------------------------------------
-
-def _nearest(path: str) -> Tuple[str, Optional[os.stat_result]]:
-    """The path itself or its nearest ancestor that exists, and its stat."""
-    p = path
-    while True:
-        try:
-            return p, os.stat(p)
-        except OSError:
-            if os.path.dirname(p) == p:
-                return p, None
-            p = os.path.dirname(p)
-
-
-def path_error(exc: OSError, path: str, doing: str) -> OSError:
-    """``exc``, raised while trying to ``doing`` ``path``, as the named
-    :class:`SwapPathError` that says the fix (a generic one for other errnos)."""
-    e = exc.errno
-    if e == _errno.EROFS:
-        return SwapPathReadOnlyError(e, f"cannot {doing} '{path}': the filesystem is read-only; remount it "
-                                        "read-write (mount -o remount,rw MOUNTPOINT) or choose another swap path")
-    if e in (_errno.EACCES, _errno.EPERM):
-        where, st = _nearest(os.path.dirname(path) if doing.startswith("create") else path)
-        how = f"'{where}' is mode {stat.S_IMODE(st.st_mode):04o} owned by uid {st.st_uid}" if st else "no access"
-        return SwapPathPermissionError(e, f"cannot {doing} '{path}': {exc.strerror} ({how}; this process runs "
-                                          f"as uid {os.geteuid()}); choose a swap path this user may write, or "
-                                          f"have its owner make it (mkdir -m 700 PATH; chown {os.geteuid()} PATH)")
-    if e in (_errno.ENOTDIR, _errno.EEXIST):
-        where, st = _nearest(path)
-        what = f"'{where}' is not a directory" if st and not stat.S_ISDIR(st.st_mode) else "not a directory"
-        return SwapPathNotDirectoryError(e, f"cannot {doing} '{path}': {what}; remove it or choose another "
-                                            "swap path")
-    return SwapPathError(e, f"cannot {doing} '{path}': {exc.strerror} (errno {e})")
-
-
 # -- the directory ----------------------------------------------------------------------
 
 def _make(path: str) -> bool:
     """Makes ``path`` (mode 0700, missing parents with the umask's mode); False if it exists."""
-    try:
-        os.mkdir(path, 0o700)
-        return True
-    except FileExistsError:
-        return False
-    except FileNotFoundError:
-        parent = os.path.dirname(path)
+    parent = os.path.dirname(path)
+    for attempt in range(2):
         try:
-            os.makedirs(parent, exist_ok=True)
+            os.mkdir(path, 0o700)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:
+            # Once the parents exist, ENOENT again means the filesystem makes
+            # no directories there (/proc, /sys): said, not retried forever.
+            if attempt:
+                raise _no_dirs_here(path, parent) from None
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except OSError as exc:
+                raise path_error(exc, parent, "create the parent directories of swap path") from None
         except OSError as exc:
-            raise path_error(exc, parent, "create the parent directories of swap path") from None
-        return _make(path)
-    except OSError as exc:
-        raise path_error(exc, path, "create swap directory") from None
+            raise path_error(exc, path, "create swap directory") from None
+    raise AssertionError("unreachable")
 
 
 def check_private(fd: int, path: str) -> None:
@@ -150,11 +128,16 @@ def make_dir(path: str) -> Tuple[int, int]:
         raise
 
 
-def open_dir(path: str) -> Tuple[int, int]:
+def open_dir(path: str, root: Optional[str] = None) -> Tuple[int, int]:
     """Makes the swap directory ``path`` (0700) or checks the existing one
     (:func:`check_private`). Returns an fd on it and, when this call made
-    it, an fd on its parent (see :func:`make_dir`), else -1."""
-    fd, pfd = make_dir(path)
+    it, an fd on its parent (see :func:`make_dir`), else -1. ``root``: the
+    configured swap path ``path`` lies below; no component below it is
+    followed if a symbolic link (:class:`SwapPathUnsafeError`, naming it)."""
+    if root is not None and os.path.abspath(root) != os.path.abspath(path):
+        fd, pfd = _walk_below(os.path.abspath(root), os.path.abspath(path))
+    else:
+        fd, pfd = make_dir(path)
     if fd < 0:
         try:
             fd = os.open(path, _DIR_FLAGS)
@@ -168,6 +151,62 @@ def open_dir(path: str) -> Tuple[int, int]:
             os.close(pfd)
         raise
     return fd, pfd
+
+
+def _walk_below(root: str, path: str) -> Tuple[int, int]:
+    """Opens ``path`` from ``root`` one component at a time, never following
+    a symbolic link, making missing components (0700). Returns (fd, parent fd
+    if the last component was made here, else -1)."""
+    rel = os.path.relpath(path, root)
+    if rel.startswith(os.pardir):
+        raise ValueError(f"swap directory '{path}' is not below its swap path '{root}'")
+    _make(root)
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError as exc:
+        raise path_error(exc, root, "open swap path") from None
+    made, here = False, root
+    try:
+        for name in rel.split(os.sep):
+            here = os.path.join(here, name)
+            try:
+                os.mkdir(name, 0o700, dir_fd=fd)
+                made = True
+            except FileExistsError:
+                made = False
+            except FileNotFoundError:  # the folder open as fd exists: its filesystem makes none there
+                raise _no_dirs_here(here, os.path.dirname(here)) from None
+            except OSError as exc:
+                raise path_error(exc, here, "create swap directory") from None
+            try:
+                nfd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                _refuse_link(fd, name, here, root)
+                raise path_error(exc, here, "open swap directory") from None
+            if made:
+                os.fchmod(nfd, 0o700)  # the umask may have narrowed mkdir's mode
+            fd, old = nfd, fd
+            if made and here == path:
+                return fd, old  # the parent's fd: remove_own_dir removes what this call made
+            os.close(old)
+        return fd, -1
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _refuse_link(dfd: int, name: str, here: str, root: str) -> None:
+    """Raises SwapPathUnsafeError if ``name`` in ``dfd`` is a symbolic link."""
+    try:
+        if not stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+            return
+        target = os.readlink(name, dir_fd=dfd)
+    except OSError:
+        return
+    raise SwapPathUnsafeError(_errno.ELOOP, f"swap directory '{here}' is a symbolic link (to '{target}') below the "
+                                            f"swap path '{root}': infinity does not follow it, so no lock, swap "
+                                            "file or clean-up reaches the folder it leads to; remove the link "
+                                            f"(rm '{here}') or give that folder as the swap path")
 
 
 # -- the lock ---------------------------------------------------------------------------
@@ -280,10 +319,11 @@ def _open_existing_lock(dfd: int, lock_path: str) -> int:
     return fd
 
 
-def _take_dead_lock(fd: int, dfd: int, lock_path: str) -> int:
+def _take_dead_lock(fd: int, dfd: int, lock_path: str) -> Tuple[int, record.Proof]:
     """The existing lock open as ``fd``: raises StoreLockedError if a live
     store holds it, SwapPathUnsafeError if it is not a lock of infinity;
-    else (a dead run's) unlinks it and returns its bytes on disk."""
+    else (a dead run's) unlinks it and returns its bytes on disk and the
+    files its record proves the dead run's ([Note: a run's record])."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -292,8 +332,9 @@ def _take_dead_lock(fd: int, dfd: int, lock_path: str) -> int:
             f"swap directory '{os.path.dirname(lock_path)}' is in use by another SwapStore (pid {owner}; lock "
             f"file '{lock_path}'). Give this run its own directory, or stop the other one.") from None
     st = os.fstat(fd)
-    content = os.pread(fd, 64, 0)
-    if st.st_size > 32 or (content and not _PID_RE.fullmatch(content)):
+    content = os.pread(fd, record.MAX_RECORD + 1, 0)
+    proof = record.parse(content)
+    if proof is None or st.st_size > record.MAX_RECORD:
         raise SwapPathUnsafeError(_errno.EEXIST, f"'{lock_path}' is not a lock file of infinity ({st.st_size} "
                                                  f"bytes: {content[:32]!r}); infinity neither overwrites nor "
                                                  "deletes it: remove it if nothing needs it, or choose another "
@@ -302,26 +343,36 @@ def _take_dead_lock(fd: int, dfd: int, lock_path: str) -> int:
         remove_own(dfd, LOCK_NAME, fd)
     except OSError as exc:
         raise path_error(exc, lock_path, "remove the dead run's lock file") from None
-    return st.st_blocks * 512
+    return st.st_blocks * 512, proof
 
 
-def acquire_lock(dfd: int, path: str) -> Tuple[int, Reclaimed]:
+def acquire_lock(dfd: int, path: str) -> Tuple[int, Reclaimed, record.Proof]:
     """Takes the lock of the swap directory ``path`` open as ``dfd`` ([Note:
-    ownership of swap files]). Returns the lock's fd (flocked) and the dead
-    run's lock it replaced, if any. Raises :class:`StoreLockedError` when a
-    live store holds it, :class:`SwapPathUnsafeError` when the name holds
-    what is not a lock of ours."""
+    ownership of swap files]). Returns the lock's fd (flocked), the dead
+    run's lock it replaced, if any, and the files that lock's record proves
+    the dead run's; those entries are copied into our record first ([Note:
+    a run's record]). Raises :class:`StoreLockedError` when a live store
+    holds it, :class:`SwapPathUnsafeError` when the name holds what is not
+    a lock of ours."""
     lock_path = os.path.join(path, LOCK_NAME)
     replaced: Reclaimed = []
+    proof: record.Proof = set()
     for _ in range(100):
         fd = _place_new_lock(dfd, path)
         if fd >= 0:
-            return fd, replaced
+            try:
+                record.append(fd, proof)  # handed on before anything is reclaimed
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd, replaced, proof
         old = _open_existing_lock(dfd, lock_path)
         if old < 0:
             continue
         try:
-            replaced.append((LOCK_NAME, _take_dead_lock(old, dfd, lock_path)))
+            nbytes, theirs = _take_dead_lock(old, dfd, lock_path)
+            replaced.append((LOCK_NAME, nbytes))
+            proof |= theirs
         finally:
             os.close(old)
     raise SwapPathError(_errno.EAGAIN, f"cannot take the lock '{lock_path}': it changed under every one of 100 "
@@ -331,10 +382,13 @@ def acquire_lock(dfd: int, path: str) -> Tuple[int, Reclaimed]:
 
 # -- files of dead runs, and our own ----------------------------------------------------
 
-def _reclaim_one(dfd: int, name: str, st: os.stat_result) -> str:
-    """Unlinks the dead run's file ``name``; returns why it is left, or ""."""
+def _reclaim_one(dfd: int, name: str, st: os.stat_result, proof: record.Proof) -> str:
+    """Unlinks the dead run's file ``name`` if ``proof`` shows it infinity's;
+    returns why it is left, or ""."""
     if st.st_uid != os.geteuid():
         return f"owned by uid {st.st_uid}"
+    if _DATA_RE.fullmatch(name) and not record.proven(proof, name, st):
+        return "no dead run's record names it, so it is not proven a file of infinity's (remove it if it is)"
     try:
         fd = os.open(name, _OPEN_EXISTING, dir_fd=dfd)
     except FileNotFoundError:
@@ -346,6 +400,8 @@ def _reclaim_one(dfd: int, name: str, st: os.stat_result) -> str:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return "in use: a live process holds its flock"
+        if _TMP_RE.fullmatch(name) and record.parse(os.pread(fd, record.MAX_RECORD + 1, 0)) is None:
+            return "not a lock record of infinity's (it holds more than a pid)"
         remove_own(dfd, name, fd)
         return ""
     except OSError as exc:
@@ -354,10 +410,11 @@ def _reclaim_one(dfd: int, name: str, st: os.stat_result) -> str:
         os.close(fd)
 
 
-def reclaim(dfd: int) -> Tuple[Reclaimed, Left]:
+def reclaim(dfd: int, proof: record.Proof) -> Tuple[Reclaimed, Left]:
     """With the directory's lock held: unlinks the files dead runs left in it
-    ([Note: ownership of swap files]). Returns those reclaimed and those left
-    (with why), each with its bytes on disk."""
+    whose ``proof`` (from :func:`acquire_lock`) shows them infinity's ([Note:
+    ownership of swap files]). Returns those reclaimed and those left (with
+    why), each with its bytes on disk."""
     done: Reclaimed = []
     left: Left = []
     for name in sorted(os.listdir(dfd)):
@@ -369,7 +426,7 @@ def reclaim(dfd: int) -> Tuple[Reclaimed, Left]:
             continue
         if not stat.S_ISREG(st.st_mode):
             continue  # no file of ours, and it holds no space
-        why = _reclaim_one(dfd, name, st)
+        why = _reclaim_one(dfd, name, st, proof)
         if why:
             left.append((name, st.st_blocks * 512, why))
         else:

@@ -10,12 +10,13 @@ import errno as _errno
 import fcntl
 import logging
 import os
-from typing import List
+from typing import List, Optional
 
 from ..engine import ALIGN
 from ..errors import SwapFullError
 from ..extent_allocator import ExtentAllocator
 from ..host_pool import warn_once
+from . import record
 from .dir import LOCK_NAME, Left, acquire_lock, open_dir, path_error, reclaim, remove_own, remove_own_dir
 
 __all__ = ["LOCK_NAME", "SwapPath"]
@@ -40,8 +41,9 @@ def _names(files) -> str:
 class SwapPath:
     """One swap directory: its lock, its data file, its allocator."""
 
-    def __init__(self, directory: str, index: int):
+    def __init__(self, directory: str, index: int, root: Optional[str] = None):
         self.dir = os.path.abspath(directory)
+        self.root = root  # the configured swap path above dir: nothing below it is followed
         self.index = index
         self.dir_fd = -1
         self.parent_fd = -1  # set when this store made the directory: it removes it at close
@@ -60,9 +62,9 @@ class SwapPath:
     def lock(self) -> None:
         """Makes (0700) or checks the directory, takes its lock and removes
         the files of dead runs ([Note: ownership of swap files])."""
-        self.dir_fd, self.parent_fd = open_dir(self.dir)
-        self.lock_fd, replaced = acquire_lock(self.dir_fd, self.dir)
-        reclaimed, self.unreclaimed = reclaim(self.dir_fd)
+        self.dir_fd, self.parent_fd = open_dir(self.dir, self.root)
+        self.lock_fd, replaced, proof = acquire_lock(self.dir_fd, self.dir)
+        reclaimed, self.unreclaimed = reclaim(self.dir_fd, proof)
         reclaimed = replaced + reclaimed
         if reclaimed:
             log.warning("infinity.io.SwapStore: reclaimed %d file(s), %d bytes, in '%s' left by runs that are "
@@ -95,6 +97,8 @@ class SwapPath:
             except OSError as exc:
                 raise path_error(exc, os.path.join(self.dir, name), "create swap file") from None
         self.file_name, self.file_path, self.fd = name, os.path.join(self.dir, name), fd
+        # Recorded at once: the proof that lets the next run remove it should we die ([Note: a run's record]).
+        record.append(self.lock_fd, record.entry(name, os.fstat(fd)))
         if want_direct and hasattr(os, "O_DIRECT"):
             reason = self._try_direct(probe_buf)
             if reason:

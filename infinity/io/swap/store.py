@@ -86,13 +86,19 @@ class SwapStore:
         host_pool: take staging buffers from this :class:`HostPool` instead of
             creating one (then ``staging_bytes`` only bounds one transfer's share).
         grow_bytes: growth step of the files when ``capacity_bytes`` is None.
+        roots: for each path, the configured swap path it lies below (the
+            engine's ``swap_paths`` entry above its ``rank<r>`` folder): no
+            component below the root is followed if a symbolic link
+            (:class:`SwapPathUnsafeError` names it). None: each path is its
+            own root (given by the caller, so followed as given).
     """
 
     def __init__(self, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], *,
                  capacity_bytes: Optional[int] = None, block_size: int = 8 * MiB, queue_depth: int = 16,
                  checksum: bool = True, backend: str = "auto", direct: bool = True,
                  stripe_bytes: Optional[int] = None, staging_bytes: int = 128 * MiB,
-                 host_pool: Optional[HostPool] = None, grow_bytes: int = 256 * MiB):
+                 host_pool: Optional[HostPool] = None, grow_bytes: int = 256 * MiB,
+                 roots: Optional[Sequence[str]] = None):
         paths = self._check_args(paths, block_size, backend)
         self.block_size = block_size
         self.queue_depth = queue_depth
@@ -115,7 +121,7 @@ class SwapStore:
             self.checksum_name = self._engine.checksum_name if checksum else None
             self._transfers = Transfers(self._lock, self._engine, self._paths, self._pool, stage_share,
                                          block_size, queue_depth, checksum)
-            self._open_paths(paths, direct)
+            self._open_paths(paths, direct, roots)
             if capacity_bytes is not None:
                 share = round_up(-(-capacity_bytes // len(paths)))
                 for sp in self._paths:
@@ -140,12 +146,12 @@ class SwapStore:
             raise ValueError(f"backend={backend!r}: choose 'auto', 'io_uring', 'threads' or 'python'")
         return paths
 
-    def _open_paths(self, paths: List[str], direct: bool) -> None:
+    def _open_paths(self, paths: List[str], direct: bool, roots: Optional[Sequence[str]]) -> None:
         """Locks each directory and opens its data file (O_DIRECT probed with
         one staging buffer)."""
         with self._pool.acquire(ALIGN) as probe:
             for i, p in enumerate(paths):
-                sp = SwapPath(p, i)
+                sp = SwapPath(p, i, os.fspath(roots[i]) if roots else None)
                 self._paths.append(sp)  # first: a failure below is torn down with the rest
                 sp.lock()
                 sp.open_file(self._engine, probe, direct)
