@@ -174,6 +174,8 @@ class Values:
             p.residency.drop_copy(u)  # fetched again, with the new values, when next used
         # In memory buffers are written in place; NVMe homes are read, written and stored back
         # (not read where every slot is overwritten, as a checkpoint's load does).
+        if u.host.busy is not None:
+            u.host.busy.wait()  # a fetch may still read the home about to be overwritten, as in host_cache
         covers = len(values) == len(u.layout.slots)
         master = self._old_master(u, covers, scratch)
         home = self._old_home(u, covers, scratch)

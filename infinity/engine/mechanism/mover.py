@@ -71,6 +71,7 @@ so the memory is not reused while the copy reads it.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -139,11 +140,13 @@ class FutureTicket(Ticket):
 class StallClock:
     """GPU time the compute stream spent waiting for copies: a timing event
     just before and just after each ``wait_event`` (nothing runs between
-    them but the wait). Read without a sync: pairs not yet executed are
-    counted by a later :meth:`seconds`."""
+    them but the wait). Pairs are folded into the sum as they complete, at
+    every wait from the oldest (the compute stream runs them in order), so
+    the pending pairs stay as few as the waits not yet executed; a pair not
+    executed yet is counted by a later :meth:`seconds` or wait."""
 
     def __init__(self) -> None:
-        self._pending: list = []
+        self._pending: deque = deque()
         self._seconds = 0.0
 
     def wait(self, stream, event) -> None:
@@ -153,15 +156,22 @@ class StallClock:
         b = torch.cuda.Event(enable_timing=True)
         b.record(stream)
         self._pending.append((a, b))
+        self._fold()
+
+    def _fold(self) -> None:
+        pending = self._pending
+        while pending and pending[0][1].query():
+            a, b = pending.popleft()
+            self._seconds += a.elapsed_time(b) / 1e3
+
+    @property
+    def pending(self) -> int:
+        """Wait pairs recorded and not yet folded (executed waits fold at the next wait)."""
+        return len(self._pending)
 
     def seconds(self) -> float:
         """Seconds of stream waits that have executed so far."""
-        pending, self._pending = self._pending, []
-        for a, b in pending:
-            if b.query():
-                self._seconds += a.elapsed_time(b) / 1e3
-            else:
-                self._pending.append((a, b))
+        self._fold()
         return self._seconds
 
 
