@@ -217,13 +217,15 @@ class DirectReader:
     def __init__(self, path: str, fd: Optional[int] = None):
         """Opens ``path``, or reads ``fd`` (an fd on it, already opened and
         checked: safe_files.open_member; the reader closes it)."""
-        if fd is None:
+        if fd is not None:
+            self._fd, self.direct = fd, _set_direct(fd)
+        else:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self._fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self.direct = True
             except OSError:
-                fd = os.open(path, os.O_RDONLY)
-        self._fd = fd
-        self.direct = _set_direct(fd)
+                self._fd = os.open(path, os.O_RDONLY)
+                self.direct = False
         self.size = os.fstat(self._fd).st_size
         self._maps = [mmap.mmap(-1, BLOCK) for _ in range(DEPTH + 1)]
         self._bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
