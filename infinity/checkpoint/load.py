@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..optim.functional import group_hyper
 from . import layout, owner, rng
 from .plan import Plan, plan_checkpoint
 from .direct_stream import DirectReader
@@ -164,6 +165,9 @@ def _check_groups(m: dict, plan: Plan, optimizer, strict: bool) -> None:
                 raise ValueError(f"load_checkpoint: param_groups[{gi}][{k!r}] in the checkpoint is not of the kind "
                                  "this optimizer's is (a number, bool, string or a list of two betas); nothing was "
                                  "loaded")
+        merged = {k: v for k, v in g.items() if k != "params"}
+        merged.update((k, tuple(v) if k == "betas" else v) for k, v in theirs.items() if k != "params")
+        group_hyper(merged, f"load_checkpoint: param_groups[{gi}] of the checkpoint (nothing was loaded)")
 
 
 def _same_kind(mine, theirs, key: str) -> bool:
