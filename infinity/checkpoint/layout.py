@@ -9,13 +9,21 @@ under a temporary name, fsynced, renamed), fsyncs the folder, renames it to
 is named ``step-<N>`` and holds a manifest that parses, so a kill at any
 point leaves the previous checkpoints as they were and never makes a partial
 one the newest. Old checkpoints (``keep_last``) and partial folders of dead
-savers are removed only after the new one is complete: each is renamed to a
+savers (dead: the saver's lock is ours now, see [Note: a checkpoint folder
+is owned like a swap folder] in owner.py) are removed only after the new
+one is complete, and only folders of ours (no link, no file): each is renamed to a
 hidden ``.removing-*`` name (no longer a checkpoint, at once) and deleted on
 a thread, because unlinking a checkpoint's files took 0.23-0.27 s a GB on
 the development machine's ext4 (a fifth of a save), time the training need
 not wait for. The next save into the folder waits for those deletions
 first (their space counts); a kill in the middle leaves a hidden folder the
 next prune removes.
+
+Finding the newest checkpoint reads only what it must: a ``step-<N>`` entry
+that is a link, a file, a folder of another uid, or whose manifest is
+missing, unreadable or malformed is skipped with a RuntimeWarning naming it
+and why; an I/O error other than those (EIO) is raised naming the path, so
+a failing disk never reads as "no complete checkpoint".
 """
 
 from __future__ import annotations

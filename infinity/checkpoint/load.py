@@ -1,13 +1,25 @@
 """``load_checkpoint`` and ``verify_checkpoint``.
 
-Everything that can be checked without reading the tensors is checked before
-anything changes: the manifest, every name and shape against the model, the
-param groups, each file's presence and size. Then the tensors are read unit
-by unit (one unit's buffer at a time), each checked against its CRC32C as it
-is read, and written into whichever tier holds the unit now: a checkpoint
-loads at any world size, ZeRO stage and placement. A tensor that fails its
-check then fails the engine (see [Note: a run is consistent or it says so]):
-a half-loaded run is never served.
+[Note: a load is all or nothing]
+A load either changes nothing or, once it has begun to write, completes or
+fails the engine: a run that mixes two states is never served. Before the
+first byte is written into the engine, everything that can be checked
+without the tensors is: the manifest's every field (manifest.py: types and
+ranges, offsets inside the files), every name and shape against the model,
+the param groups (their parameters, and each hyper-parameter of the kind
+this optimizer's is and in range: optim.functional.group_hyper), the LR
+scheduler's presence on both sides and its state's keys, this rank's RNG
+states' shapes (rng.check), and each file's presence, kind and size. A
+problem there raises (CorruptCheckpointError, ValueError, KeyError) and
+nothing has changed. Then, under the engine's fault guard, the tensors are
+read unit by unit (one unit's buffer at a time), each checked against its
+CRC32C as it is read, and written into whichever tier holds the unit now (a
+checkpoint loads at any world size, ZeRO stage and placement), then the
+buffers, the hyper-parameters, the loss scaler, the scheduler and the RNG.
+Any error from there on (a corrupt tensor, a failing disk, a scheduler that
+refuses its state) fails the engine (see [Note: a run is consistent or it
+says so]): later calls raise EngineFailedError; reload into a fresh
+``initialize``.
 """
 
 from __future__ import annotations
