@@ -177,9 +177,31 @@ def _check_groups(m: dict, plan: Plan, optimizer, strict: bool) -> None:
                 raise ValueError(f"load_checkpoint: param_groups[{gi}][{k!r}] in the checkpoint is not of the kind "
                                  "this optimizer's is (a number, bool, string or a list of two betas); nothing was "
                                  "loaded")
-        merged = {k: v for k, v in g.items() if k != "params"}
-        merged.update((k, tuple(v) if k == "betas" else v) for k, v in theirs.items() if k != "params")
-        group_hyper(merged, f"load_checkpoint: param_groups[{gi}] of the checkpoint (nothing was loaded)")
+        _check_hyper(gi, g, theirs)
+
+
+def _merged(g: dict, theirs: dict, keys) -> dict:
+    out = {k: v for k, v in g.items() if k != "params"}
+    out.update((k, tuple(theirs[k]) if k == "betas" else theirs[k]) for k in keys)
+    return out
+
+
+def _check_hyper(gi: int, g: dict, theirs: dict) -> None:
+    """The group ``g`` with the saved hyper-parameters ``theirs`` is one
+    infinity runs (optim.functional.group_hyper); else ValueError naming the
+    keys at fault (not their values: they come from the checkpoint)."""
+    keys = [k for k in theirs if k != "params"]
+    try:
+        group_hyper(_merged(g, theirs, keys))
+    except ValueError:
+        bad = []
+        for k in keys:
+            try:
+                group_hyper(_merged(g, theirs, [k]))
+            except ValueError:
+                bad.append(k)
+        raise ValueError(f"load_checkpoint: param_groups[{gi}] of the checkpoint: {bad or keys} out of range or an "
+                         "option infinity does not run (docs/config.md lists the keys); nothing was loaded") from None
 
 
 def _same_kind(mine, theirs, key: str) -> bool:
@@ -213,8 +235,8 @@ def _check_scheduler(ckpt: str, m: dict, lr_scheduler, strict: bool) -> None:
     if lr_scheduler is not None:
         mine = set(lr_scheduler.state_dict())
         if set(saved) != mine:
-            raise ValueError(f"load_checkpoint: the scheduler state in {ckpt!r} has keys {sorted(saved)[:8]}, "
-                             f"this lr_scheduler {sorted(mine)[:8]}: another kind of scheduler; nothing was loaded")
+            raise ValueError(f"load_checkpoint: the scheduler state in {ckpt!r} has other keys than this "
+                             f"lr_scheduler's ({sorted(mine)[:8]}): another kind of scheduler; nothing was loaded")
 
 
 class ManifestFiles:

@@ -97,7 +97,7 @@ BAD = {
     "lr='x'": (lambda m: m["param_groups"][0].update(lr="x"), ValueError, r"param_groups\[0\]\['lr'\]"),
     "lr=NaN": (lambda m: m["param_groups"][0].update(lr=float("nan")), infinity.CorruptCheckpointError,
                "param_groups"),
-    "lr=-1": (lambda m: m["param_groups"][0].update(lr=-1.0), ValueError, r"param_groups\[0\].*Invalid lr"),
+    "lr=-1": (lambda m: m["param_groups"][0].update(lr=-1.0), ValueError, r"param_groups\[0\].*\['lr'\] out of range"),
     "betas=[0.9]": (lambda m: m["param_groups"][0].update(betas=[0.9]), ValueError, "betas"),
     "amsgrad=true": (lambda m: m["param_groups"][0].update(amsgrad=True), ValueError, "amsgrad"),
     "group params": (lambda m: m["param_groups"][0].update(params=["nope"]), ValueError, "param group"),
