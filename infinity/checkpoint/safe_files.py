@@ -119,13 +119,14 @@ def read_member(ckpt: str, name, limit: int) -> bytes:
     sizes) when it is over ``limit`` bytes."""
     fd, size = open_member(ckpt, name)
     try:
-        if size > limit:
-            raise CorruptCheckpointError(f"{os.path.join(ckpt, name)}: {size} bytes, over the {limit} a checkpoint's "
-                                         f"{name} may have")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(size + 1)[:limit + 1]
+            data = f.read(limit + 1) if size <= limit else b""  # (it may grow after the fstat: read no more)
     finally:
         os.close(fd)
+    if size > limit or len(data) > limit:
+        raise CorruptCheckpointError(f"{os.path.join(ckpt, name)}: {max(size, len(data))} bytes, over the {limit} a "
+                                     f"checkpoint's {name} may have")
+    return data
 
 
 def parse_json(path: str, raw: bytes):
