@@ -242,3 +242,13 @@ def test_keep_last_does_not_raise_after_the_commit(run, tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.warns(RuntimeWarning, match=first.name):
         assert layout.resolve(str(root)) == str(fourth)
+
+
+def test_a_step_folder_that_is_a_link_out_is_skipped(run, tmp_path):
+    root = tmp_path / "ck"
+    _save(run, root, 1)
+    elsewhere = _save(run, tmp_path / "elsewhere", 2)  # a whole checkpoint outside the folder
+    os.symlink(elsewhere, root / "step-00000009")
+    m, o = run
+    with pytest.warns(RuntimeWarning, match="step-00000009 is skipped: .*not a folder"):
+        assert infinity.load_checkpoint(root, m, o) == {"step": 1}
