@@ -12,8 +12,9 @@ through one call, so the engine never imports this folder.
 from .background import AsyncCheckpoint
 from .export import consolidate, export_pretrained
 from .load import load_checkpoint, verify_checkpoint
+from .owner import CheckpointLockedError
 from .safetensors_io import CorruptCheckpointError
 from .save import CheckpointSpaceError, save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "export_pretrained", "consolidate",
-           "CorruptCheckpointError", "CheckpointSpaceError", "AsyncCheckpoint"]
+           "CorruptCheckpointError", "CheckpointSpaceError", "CheckpointLockedError", "AsyncCheckpoint"]

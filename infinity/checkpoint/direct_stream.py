@@ -48,12 +48,14 @@ caller says what comes next by submitting it.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import queue
 import threading
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Optional
 
 import torch
 
@@ -212,13 +214,18 @@ class DirectReader:
     flight and nothing read ahead: for a caller that knows what it reads
     next and submits it (see [Note: reads into their destination])."""
 
-    def __init__(self, path: str):
-        try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            self.direct = True
-        except OSError:
-            self._fd = os.open(path, os.O_RDONLY)
-            self.direct = False
+    def __init__(self, path: str, fd: Optional[int] = None):
+        """Opens ``path``, or reads ``fd`` (an fd on it, already opened and
+        checked: safe_files.open_member; the reader closes it)."""
+        if fd is not None:
+            self._fd, self.direct = fd, _set_direct(fd)
+        else:
+            try:
+                self._fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self.direct = True
+            except OSError:
+                self._fd = os.open(path, os.O_RDONLY)
+                self.direct = False
         self.size = os.fstat(self._fd).st_size
         self._maps = [mmap.mmap(-1, BLOCK) for _ in range(DEPTH + 1)]
         self._bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
@@ -341,6 +348,18 @@ class DirectReader:
 
     def close(self) -> None:
         _release(self)
+
+
+def _set_direct(fd: int) -> bool:
+    """Turns O_DIRECT on for ``fd`` where the filesystem allows; whether it is on."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if flags & os.O_DIRECT:
+        return True
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError:
+        return False
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 class PendingRead:

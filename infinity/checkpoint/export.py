@@ -21,7 +21,8 @@ import torch
 
 from ..config.runtime import parse_bytes
 from . import layout
-from .load import ManifestFiles, read_manifest
+from .load import ManifestFiles
+from .manifest import check_files, read_manifest
 from .safetensors_io import ShardWriter, record_dtype, split_shards
 
 __all__ = ["export_pretrained", "consolidate", "INDEX_NAME"]
@@ -121,7 +122,8 @@ def consolidate(checkpoint, out_dir, *, dtype: Union[str, torch.dtype] = "bf16",
     at a time (no model, no engine); ``config.json`` too when the checkpoint
     was saved from a Hugging Face model. Returns the shard file names."""
     ckpt = layout.resolve(checkpoint)
-    m = read_manifest(ckpt)
+    m = read_manifest(ckpt)  # every name, offset and length checked; then the files' sizes, before any read
+    check_files(ckpt, m)
     recs = sorted(((n, r) for n, r in m["tensors"].items() if not n.startswith(("exp_avg.", "exp_avg_sq."))),
                   key=lambda nr: (nr[1]["file"], nr[1]["offset"]))
     with ManifestFiles(ckpt) as files:

@@ -1,50 +1,46 @@
 """``load_checkpoint`` and ``verify_checkpoint``.
 
-Everything that can be checked without reading the tensors is checked before
-anything changes: the manifest, every name and shape against the model, the
-param groups, each file's presence and size. Then the tensors are read unit
-by unit (one unit's buffer at a time), each checked against its CRC32C as it
-is read, and written into whichever tier holds the unit now: a checkpoint
-loads at any world size, ZeRO stage and placement. A tensor that fails its
-check then fails the engine (see [Note: a run is consistent or it says so]):
-a half-loaded run is never served.
+[Note: a load is all or nothing]
+A load either changes nothing or, once it has begun to write, completes or
+fails the engine: a run that mixes two states is never served. Before the
+first byte is written into the engine, everything that can be checked
+without the tensors is: the manifest's every field (manifest.py: types and
+ranges, offsets inside the files), every name and shape against the model,
+the param groups (their parameters, and each hyper-parameter of the kind
+this optimizer's is and in range: optim.functional.group_hyper), the LR
+scheduler's presence on both sides and its state's keys, this rank's RNG
+states' shapes (rng.check), and each file's presence, kind and size. A
+problem there raises (CorruptCheckpointError, ValueError, KeyError) and
+nothing has changed. Then, under the engine's fault guard, the tensors are
+read unit by unit (one unit's buffer at a time), each checked against its
+CRC32C as it is read, and written into whichever tier holds the unit now (a
+checkpoint loads at any world size, ZeRO stage and placement), then the
+buffers, the hyper-parameters, the loss scaler, the scheduler and the RNG.
+Any error from there on (a corrupt tensor, a failing disk, a scheduler that
+refuses its state) fails the engine (see [Note: a run is consistent or it
+says so]): later calls raise EngineFailedError; reload into a fresh
+``initialize``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import layout, rng
+from ..optim.functional import group_hyper
+from . import layout, owner, rng
 from .plan import Plan, plan_checkpoint
 from .direct_stream import DirectReader
+from .manifest import check_files, finite_number, read_manifest
+from .safe_files import open_member
 from .safetensors_io import (CorruptCheckpointError, TensorRead, read_header, read_tensor, record_dtype, start_range,
                              start_tensor)
 from .unit_loads import UnitLoads
 
-__all__ = ["load_checkpoint", "verify_checkpoint", "read_manifest"]
-
-
-def read_manifest(path: str) -> dict:
-    """The manifest of the checkpoint at ``path`` (a checkpoint folder)."""
-    mpath = os.path.join(path, layout.MANIFEST)
-    try:
-        with open(mpath) as f:
-            m = json.load(f)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{mpath}: missing; {path!r} is not a complete checkpoint") from None
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{mpath}: not valid JSON ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != "infinity-checkpoint":
-        raise CorruptCheckpointError(f"{mpath}: not an infinity checkpoint manifest")
-    if m.get("version") != layout.FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{mpath}: format version {m.get('version')}; this infinity reads version "
-                                     f"{layout.FORMAT_VERSION}")
-    return m
+__all__ = ["load_checkpoint", "verify_checkpoint", "read_manifest", "pick_checkpoint"]
 
 
 def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool = True) -> Optional[dict]:
@@ -58,31 +54,78 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
     scheduler, the fp16 loss scaler and the RNG states: training continues
     exactly as the saved run would have. ``strict=False`` skips names one side
     lacks and says which in a RuntimeWarning (the model's names that kept
-    their values, the checkpoint's that were not loaded).
+    their values, the checkpoint's that were not loaded), and loads a
+    checkpoint holding scheduler state without ``lr_scheduler`` (warned).
+    See [Note: a load is all or nothing].
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
-        CorruptCheckpointError: a file missing, truncated or failing its CRC32C
-            (file, tensor and offset named).
-        KeyError / ValueError: names or shapes that do not match the model
-            (nothing was changed then).
+        UsageError: the checkpoint folder is not ours or others may write it.
+        CorruptCheckpointError: a malformed manifest, a file missing,
+            truncated or failing its CRC32C (file, field, tensor and offset named).
+        KeyError / ValueError: names, shapes, param groups or scheduler
+            presence that do not match (nothing was changed then).
+        EngineFailedError (later calls): a failure after the first write.
     """
     from ..api import engine_of
     from .background import wait_pending
     eng = engine_of(model)
     wait_pending(eng)  # a background save finishes first (it may be the checkpoint asked for)
-    ckpt = layout.resolve(path)
-    m = read_manifest(ckpt)
     if optimizer is not eng.optimizer:
         raise ValueError("load_checkpoint: optimizer is not the one infinity.initialize returned for this model")
+    owner.check_root(os.fspath(path), "load_checkpoint")
+    ckpt, m = pick_checkpoint(path)
     optimizer.flush()
     eng.faults.check("infinity.load_checkpoint()")
     plan = plan_checkpoint(model, eng, exclude_frozen=bool(m.get("exclude_frozen")))
     plan.check_between_steps("load_checkpoint")
     _check_names_and_shapes(ckpt, m, plan, strict)
     _check_groups(m, plan, optimizer, strict)
-    _check_files(ckpt, m)
-    with eng.faults.guard(f"infinity.load_checkpoint({ckpt!r})"), ManifestFiles(ckpt) as files:
+    _check_scheduler(ckpt, m, lr_scheduler, strict)
+    states = m.get("rng") or {}
+    own_rng = states.get(str(eng.sharding.global_rank), states.get("0"))
+    rng.check(own_rng, f"{os.path.join(ckpt, layout.MANIFEST)}: rng")
+    # [Note: a load is all or nothing] Nothing has changed up to here; from
+    # here on, an error fails the engine.
+    with eng.faults.guard(f"infinity.load_checkpoint({ckpt!r})"):
+        _load_tensors(eng, ckpt, m, plan)
+        _load_small_state(m, optimizer, lr_scheduler, own_rng)
+    return m.get("extra")
+
+
+def pick_checkpoint(path) -> Tuple[str, dict]:
+    """The checkpoint ``path`` names, or the newest whole one under it, and
+    its checked manifest. Under a checkpoint folder, a newest one whose
+    manifest or file sizes are wrong is skipped with a RuntimeWarning saying
+    why and which one is loaded instead; none whole: CorruptCheckpointError
+    naming why each was skipped."""
+    path = os.fspath(path)
+    if layout.is_checkpoint(path):
+        m = read_manifest(path)
+        check_files(path, m)
+        return path, m
+    found = [p for _, p in reversed(layout.complete_checkpoints(path))]
+    if not found:
+        raise layout.no_checkpoint(path)
+    skipped = []
+    for ckpt in found:
+        try:
+            m = read_manifest(ckpt)
+            check_files(ckpt, m)
+        except CorruptCheckpointError as e:
+            skipped.append(f"{os.path.basename(ckpt)}: {e}")
+            continue
+        if skipped:
+            warnings.warn(f"load_checkpoint: loading {ckpt}, the newest whole checkpoint in {path!r}; newer ones "
+                          f"were skipped: {'; '.join(skipped)}", RuntimeWarning, stacklevel=3)
+        return ckpt, m
+    raise CorruptCheckpointError(f"load_checkpoint: no whole checkpoint in {path!r}: {'; '.join(skipped)}; "
+                                 "nothing was loaded")
+
+
+def _load_tensors(eng, ckpt: str, m: dict, plan: Plan) -> None:
+    """Every unit's values, moments and step counts, then the buffers (under the engine's guard)."""
+    with ManifestFiles(ckpt) as files:
         with UnitLoads(eng, plan, m, files) as loads:  # [Note: staged unit loads]
             for staged in loads:
                 loads.scratch.reset()
@@ -92,8 +135,6 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
             if rec is not None:
                 with torch.no_grad():
                     b.copy_(files.read(rec, record_dtype(rec), b.shape))
-    _load_small_state(m, eng, optimizer, lr_scheduler)
-    return m.get("extra")
 
 
 def _check_names_and_shapes(ckpt: str, m: dict, plan: Plan, strict: bool) -> None:
@@ -130,22 +171,72 @@ def _check_groups(m: dict, plan: Plan, optimizer, strict: bool) -> None:
         raise ValueError(f"load_checkpoint: the checkpoint has {len(saved)} param group(s) of sizes "
                          f"{[len(g['params']) for g in saved]}, this optimizer {len(mine)} of sizes "
                          f"{[len(g['params']) for g in mine]} (or other parameters in them); nothing was loaded")
+    for gi, (g, theirs) in enumerate(zip(optimizer.param_groups, saved)):
+        for k, v in theirs.items():
+            if k != "params" and not _same_kind(g.get(k), v, k):
+                raise ValueError(f"load_checkpoint: param_groups[{gi}][{k!r}] in the checkpoint is not of the kind "
+                                 "this optimizer's is (a number, bool, string or a list of two betas); nothing was "
+                                 "loaded")
+        _check_hyper(gi, g, theirs)
 
 
-def _check_files(ckpt: str, m: dict) -> None:
-    for fname, size in m.get("files", {}).items():
-        p = os.path.join(ckpt, fname)
-        try:
-            got = os.path.getsize(p)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{p}: missing (the manifest names it); nothing was loaded") from None
-        if got != size:
-            raise CorruptCheckpointError(f"{p}: {got} bytes, the manifest says {size} (truncated or replaced); "
-                                         "nothing was loaded")
-    for name, rec in m.get("tensors", {}).items():
-        if rec.get("file") not in m.get("files", {}):
-            raise CorruptCheckpointError(f"{ckpt}: tensor {name!r} is in file {rec.get('file')!r}, which the manifest "
-                                         "does not list; nothing was loaded")
+def _merged(g: dict, theirs: dict, keys) -> dict:
+    out = {k: v for k, v in g.items() if k != "params"}
+    out.update((k, tuple(theirs[k]) if k == "betas" else theirs[k]) for k in keys)
+    return out
+
+
+def _check_hyper(gi: int, g: dict, theirs: dict) -> None:
+    """The group ``g`` with the saved hyper-parameters ``theirs`` is one
+    infinity runs (optim.functional.group_hyper); else ValueError naming the
+    keys at fault (not their values: they come from the checkpoint)."""
+    keys = [k for k in theirs if k != "params"]
+    try:
+        group_hyper(_merged(g, theirs, keys))
+    except ValueError:
+        bad = []
+        for k in keys:
+            try:
+                group_hyper(_merged(g, theirs, [k]))
+            except ValueError:
+                bad.append(k)
+        raise ValueError(f"load_checkpoint: param_groups[{gi}] of the checkpoint: {bad or keys} out of range or an "
+                         "option infinity does not run (docs/config.md lists the keys); nothing was loaded") from None
+
+
+def _same_kind(mine, theirs, key: str) -> bool:
+    """Whether a saved hyper-parameter ``theirs`` (manifest-checked) may replace ``mine``."""
+    if key == "betas" or isinstance(mine, (tuple, list)):
+        n = len(mine) if isinstance(mine, (tuple, list)) else 2
+        return isinstance(theirs, list) and len(theirs) == n
+    if isinstance(mine, bool):
+        return isinstance(theirs, bool)
+    if isinstance(mine, (int, float, torch.Tensor)):
+        return finite_number(theirs)
+    if isinstance(mine, str):
+        return isinstance(theirs, str)
+    return mine is None or theirs is None or not isinstance(theirs, list)
+
+
+def _check_scheduler(ckpt: str, m: dict, lr_scheduler, strict: bool) -> None:
+    """A scheduler given iff the checkpoint holds one's state, with the same keys."""
+    saved = m.get("lr_scheduler")
+    if lr_scheduler is not None and saved is None:
+        raise ValueError(f"load_checkpoint: an lr_scheduler was given but {ckpt!r} was saved without one (no "
+                         "scheduler state); pass lr_scheduler=None, or resume from a checkpoint saved with "
+                         "save_checkpoint(..., lr_scheduler=...); nothing was loaded")
+    if lr_scheduler is None and saved is not None:
+        msg = (f"load_checkpoint: {ckpt!r} holds an LR scheduler's state but no lr_scheduler was given, so the "
+               "schedule would restart")
+        if strict:
+            raise ValueError(f"{msg}; pass lr_scheduler=<your scheduler> (or strict=False to drop its state); "
+                             "nothing was loaded")
+        warnings.warn(f"{msg} (strict=False: its state is not loaded)", RuntimeWarning, stacklevel=3)
+    if lr_scheduler is not None:
+        mine = set(lr_scheduler.state_dict())
+        if set(saved) != mine:
+            raise ValueError(f"load_checkpoint: the scheduler state in {ckpt!r} has other keys than this "
+                             f"lr_scheduler's ({sorted(mine)[:8]}): another kind of scheduler; nothing was loaded")
 
 
 class ManifestFiles:
@@ -165,7 +256,8 @@ class ManifestFiles:
     def _reader(self, fname: str) -> DirectReader:
         f = self._open.get(fname)
         if f is None:
-            f = self._open[fname] = DirectReader(os.path.join(self.ckpt, fname))
+            fd, _ = open_member(self.ckpt, fname)  # [Note: a checkpoint is input from someone else]
+            f = self._open[fname] = DirectReader(os.path.join(self.ckpt, fname), fd)
         return f
 
     def read(self, rec: dict, dtype: torch.dtype, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -196,8 +288,8 @@ def _write_unit(eng, staged, plan: Plan, m: dict, scratch) -> None:
         s.step = int(steps.get(plan.names[id(s.param)], s.step))
 
 
-def _load_small_state(m: dict, eng, optimizer, lr_scheduler) -> None:
-    """Hyper-parameters, loss scaler, LR scheduler and this rank's RNG states."""
+def _load_small_state(m: dict, optimizer, lr_scheduler, own_rng) -> None:
+    """Hyper-parameters, loss scaler, LR scheduler and this rank's RNG states (all checked before)."""
     for g, saved in zip(optimizer.param_groups, m.get("param_groups", [])):
         for k, v in saved.items():
             if k != "params":
@@ -207,11 +299,8 @@ def _load_small_state(m: dict, eng, optimizer, lr_scheduler) -> None:
         optimizer.scaling.loss_scale = float(scaler["loss_scale"])
         optimizer.scaling.good_steps = int(scaler.get("good_steps", 0))
     if lr_scheduler is not None:
-        if m.get("lr_scheduler") is None:
-            raise ValueError("load_checkpoint: an lr_scheduler was given but the checkpoint holds no scheduler state")
         lr_scheduler.load_state_dict(m["lr_scheduler"])
-    states = m.get("rng") or {}
-    rng.restore(states.get(str(eng.sharding.global_rank), states.get("0")))
+    rng.restore(own_rng)
 
 
 def verify_checkpoint(path) -> dict:
@@ -222,16 +311,22 @@ def verify_checkpoint(path) -> dict:
     and offset."""
     ckpt = layout.resolve(path)
     m = read_manifest(ckpt)
-    _check_files(ckpt, m)
-    headers = {f: read_header(os.path.join(ckpt, f)) for f in m.get("files", {})}
+    check_files(ckpt, m)
+    headers = {f: read_header(ckpt, f) for f in m["files"]}
     total = 0
     with ManifestFiles(ckpt) as files:
         for name, rec in sorted(m["tensors"].items(), key=lambda kv: (kv[1]["file"], kv[1]["offset"])):
             header, start = headers[rec["file"]]
-            h = header.get(name)
-            if h is None or start + h["data_offsets"][0] != rec["offset"] or list(h["shape"]) != list(rec["shape"]):
+            if not _header_agrees(header.get(name), start, rec):
                 raise CorruptCheckpointError(f"{os.path.join(ckpt, rec['file'])}: header entry of {name!r} "
                                              "disagrees with the manifest")
             files.read(rec, record_dtype(rec), rec["shape"])
             total += rec["length"]
     return {"path": ckpt, "step": m.get("step"), "tensors": len(m["tensors"]), "bytes": total}
+
+
+def _header_agrees(h, start: int, rec: dict) -> bool:
+    """A safetensors header entry ``h`` (from the file: any JSON) places the tensor where ``rec`` says."""
+    if not isinstance(h, dict) or not isinstance(h.get("data_offsets"), list) or len(h["data_offsets"]) != 2:
+        return False
+    return start + h["data_offsets"][0] == rec["offset"] and h.get("shape") == rec["shape"]

@@ -17,6 +17,7 @@ shard touches (:func:`read_range`).
 from __future__ import annotations
 
 import json
+import os
 import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -25,6 +26,7 @@ import torch
 from ..io.engine import crc32c
 from .chunk_sums import chunk_sums, combine_chunks
 from .direct_stream import DirectStream, aligned_empty
+from .safe_files import MAX_HEADER_BYTES, CorruptCheckpointError, open_member, parse_json
 
 __all__ = ["DTYPES", "Entry", "nbytes", "split_shards", "ShardWriter", "read_tensor", "read_range", "read_header",
            "CorruptCheckpointError", "CHUNK_BYTES", "record_dtype", "start_tensor", "start_range", "TensorRead",
@@ -38,10 +40,6 @@ DTYPES: Dict[torch.dtype, str] = {
 _BY_NAME = {v: k for k, v in DTYPES.items()}
 ALIGN = 4096  # the header is padded (spaces, as the format allows): the data starts on a page (DirectStream)
 CHUNK_BYTES = 4 << 20  # per-chunk CRC32C of larger tensors (ranged reads verify what they read)
-
-
-class CorruptCheckpointError(ValueError):
-    """A checkpoint file does not hold what its manifest says (names file, tensor, offset)."""
 
 
 Entry = Tuple[str, torch.dtype, Tuple[int, ...]]  # name, dtype, shape
@@ -142,23 +140,29 @@ class ShardWriter:
             pass
 
 
-def read_header(path: str) -> Tuple[dict, int]:
-    """(header dict, data start in bytes) of the safetensors file at ``path``."""
+def read_header(ckpt: str, fname: str) -> Tuple[dict, int]:
+    """(header dict, data start in bytes) of the checkpoint's safetensors file
+    ``fname`` (opened through safe_files.open_member; its announced header
+    length checked against the file and ``MAX_HEADER_BYTES`` before reading)."""
+    path = os.path.join(ckpt, fname)
+    fd, size = open_member(ckpt, fname)
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CorruptCheckpointError(f"{path}: {len(head)} bytes, not a safetensors file (truncated?)")
-            n = struct.unpack("<Q", head)[0]
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: missing (the manifest names it)") from None
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CorruptCheckpointError(f"{path}: {len(head)} bytes, not a safetensors file (truncated?)")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise CorruptCheckpointError(f"{path}: header of {n} bytes announced, the file has {size - 8} after the "
+                                         f"length and a header may have {MAX_HEADER_BYTES} (truncated or corrupt)")
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
     if len(raw) != n:
         raise CorruptCheckpointError(f"{path}: header of {n} bytes announced, {len(raw)} present (truncated)")
-    try:
-        return json.loads(raw), 8 + n
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path}: header is not valid JSON ({e})") from None
+    header = parse_json(path, raw)
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: header is not a JSON object")
+    return header, 8 + n
 
 
 def read_tensor(f, path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int],
@@ -229,7 +233,7 @@ def _check_tensor(path: str, rec: dict, t: torch.Tensor, got: int) -> None:
     crc = _whole_sum(t, n, chunks)
     if crc != rec["crc32c"]:
         raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r} at offset {rec['offset']} ({n} bytes): "
-                                     f"CRC32C {crc:#010x}, the manifest says {rec['crc32c']:#010x} (corrupt file)")
+                                     "CRC32C differs from the manifest's (corrupt file)")
 
 
 def start_range(f, path: str, rec: dict, dtype: torch.dtype, start: int, stop: int, out: torch.Tensor):
@@ -276,10 +280,9 @@ def _check_chunks(path: str, rec: dict, buf: torch.Tensor, first: int, chunks: d
         k, b = first + a // c, min(a + c, buf.numel())
         crc = crc32c(ptr + a, b - a)
         if k >= len(chunks["crc32c"]) or crc != chunks["crc32c"][k]:
-            want = chunks["crc32c"][k] if k < len(chunks["crc32c"]) else None
-            raise CorruptCheckpointError(
-                f"{path}: tensor {rec['name']!r}, chunk {k} at offset {rec['offset'] + lo + a} ({b - a} bytes): "
-                f"CRC32C {crc:#010x}, the manifest says {want if want is None else f'{want:#010x}'} (corrupt file)")
+            why = "differs from the manifest's" if k < len(chunks["crc32c"]) else "has no sum in the manifest"
+            raise CorruptCheckpointError(f"{path}: tensor {rec['name']!r}, chunk {k} at offset "
+                                         f"{rec['offset'] + lo + a} ({b - a} bytes): CRC32C {why} (corrupt file)")
 
 
 def _whole_sum(t: torch.Tensor, n: int, chunks: Optional[dict]) -> int:
@@ -301,8 +304,8 @@ def record_dtype(rec: dict) -> torch.dtype:
     try:
         return _MANIFEST_DTYPES[rec["dtype"]]
     except (KeyError, TypeError):
-        raise CorruptCheckpointError(f"tensor {rec.get('name')!r}: unknown dtype {rec.get('dtype')!r} in the "
-                                     "manifest") from None
+        raise CorruptCheckpointError(f"tensor {rec.get('name')!r}: its dtype in the manifest is none of "
+                                     f"{sorted(_MANIFEST_DTYPES)}") from None
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -310,4 +313,4 @@ def dtype_of(name: str) -> torch.dtype:
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise CorruptCheckpointError(f"unknown tensor dtype {name!r} in a checkpoint") from None
+        raise CorruptCheckpointError(f"a tensor's dtype in a checkpoint is none of {sorted(_BY_NAME)}") from None

@@ -25,14 +25,17 @@ import errno
 import functools
 import os
 import shutil
+import stat
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
 
 from ..config.runtime import format_bytes
-from . import layout, rng
+from ..engine.faults import UsageError
+from . import layout, owner, rng
 from .plan import Plan, SlotSource, plan_checkpoint
 from .safetensors_io import ShardWriter, split_shards
 
@@ -102,23 +105,58 @@ def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optiona
         import json
         meta["hf_config"] = json.loads(hf.to_json_string())
     own_rng = rng.capture()  # now: training goes on drawing numbers while a background save writes
-    writer = eng.sharding.rank == 0
     partial = layout.partial_dir(root, step)
-    if writer:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        layout.wait_removals(root)  # the last save's pruned checkpoints: their space counts
-        shutil.rmtree(partial, ignore_errors=True)
-        _check_space(root, plan)
-        os.mkdir(partial, 0o700)
-    job = functools.partial(_finish, eng, plan, root, partial, step, meta, own_rng, keep_last)
+    lock = _prepare_folder(root, partial, plan) if eng.sharding.rank == 0 else None
+    job = functools.partial(_finish, eng, plan, root, partial, step, meta, own_rng, keep_last, lock)
     if not blocking:
-        return AsyncCheckpoint.start(eng, plan, job, Path(root) / layout.step_dir_name(step))
+        try:
+            return AsyncCheckpoint.start(eng, plan, job, Path(root) / layout.step_dir_name(step))
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
     return job()
 
 
+def _prepare_folder(root: str, partial: str, plan: Plan) -> owner.SaveLock:
+    """The checkpoint folder made (0700) or checked as ours, its saver's lock
+    taken, and an empty ``partial`` folder in it ([Note: a checkpoint folder
+    is owned like a swap folder]); returns the lock, held."""
+    owner.make_root(root, "save_checkpoint")
+    lock = owner.SaveLock(root)
+    try:
+        layout.wait_removals(root)  # the last save's pruned checkpoints: their space counts
+        try:
+            st = os.lstat(partial)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not (stat.S_ISDIR(st.st_mode) and owner.owned_by_us(st)):
+            raise UsageError(f"save_checkpoint: {partial!r} is in the way and is not a folder an earlier save of "
+                             "this user left (a file, a link or another user's); remove it or choose another "
+                             "checkpoint folder")
+        if st is not None:  # we hold the lock: its saver is gone
+            shutil.rmtree(partial)
+        _check_space(root, plan)
+        os.mkdir(partial, 0o700)
+        return lock
+    except BaseException:
+        lock.release()
+        raise
+
+
 def _finish(eng, plan: Plan, root: str, partial: str, step: int, meta: dict, own_rng: dict,
-            keep_last: Optional[int], on_item: Optional[Callable] = None) -> Path:
-    """The tensors, the RNG states, then the commit; ``on_item(source)`` after each tensor."""
+            keep_last: Optional[int], lock: Optional[owner.SaveLock], on_item: Optional[Callable] = None) -> Path:
+    """The tensors, the RNG states, then the commit; ``on_item(source)``
+    after each tensor; the folder's lock (rank 0's) released at the end."""
+    try:
+        return _write_and_commit(eng, plan, root, partial, step, meta, own_rng, keep_last, on_item)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _write_and_commit(eng, plan: Plan, root: str, partial: str, step: int, meta: dict, own_rng: dict,
+                      keep_last: Optional[int], on_item: Optional[Callable]) -> Path:
     writer = eng.sharding.rank == 0
     try:
         tensors = _write_all(eng, plan, partial if writer else None, on_item)
@@ -145,12 +183,17 @@ def _commit(root: str, partial: str, step: int, meta: dict, keep_last: Optional[
         layout.write_json_atomic(os.path.join(partial, layout.MANIFEST), meta)
         _at("commit")
         final = layout.commit(root, partial, step)
-        _at("prune")
-        layout.prune(root, keep_last, keep=final)
-        return final
     except OSError as e:
         shutil.rmtree(partial, ignore_errors=True)
         raise _space_error(root, plan, e) from e
+    _at("prune")
+    try:
+        layout.prune(root, keep_last, keep=final)
+    except Exception as e:  # noqa: BLE001 - the checkpoint is committed: a failed cleanup must not undo that
+        warnings.warn(f"save_checkpoint: {final} is saved, but removing older checkpoints failed "
+                      f"({type(e).__name__}: {e}); remove them by hand if space is short", RuntimeWarning,
+                      stacklevel=4)
+    return final
 
 
 def _write_all(eng, plan: Plan, folder: Optional[str], on_item: Optional[Callable] = None) -> Dict[str, dict]:

@@ -39,7 +39,7 @@ def _verify(a) -> int:
     from ..checkpoint import CorruptCheckpointError, verify_checkpoint
     try:
         info = verify_checkpoint(a.ckpt)
-    except (CorruptCheckpointError, FileNotFoundError) as e:
+    except (CorruptCheckpointError, OSError) as e:  # a missing folder, a failing disk: named, exit 1
         print(f"infinity verify: FAIL: {e}")
         return 1
     print(f"infinity verify: OK: {json.dumps(info)}")

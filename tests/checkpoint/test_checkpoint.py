@@ -15,7 +15,7 @@ import infinity
 
 # A child process imports this folder's tests and the shared helpers in tests/.
 HERE_AND_TESTS = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from infinity.checkpoint import layout
+from infinity.checkpoint import layout, owner
 
 
 def model(dropout=0.0):
@@ -182,7 +182,7 @@ def test_layout_latest_and_keep_last(tmp_path):
     visible = [n for n in os.listdir(tmp_path / "ck") if not n.startswith(".")]
     assert sorted(visible) == [layout.step_dir_name(3), layout.step_dir_name(4)]  # the older ones gone at once
     layout.wait_removals(str(tmp_path / "ck"))  # and deleted in the background
-    assert sorted(os.listdir(tmp_path / "ck")) == [layout.step_dir_name(3), layout.step_dir_name(4)]
+    assert sorted(os.listdir(tmp_path / "ck")) == [owner.LOCK_NAME, layout.step_dir_name(3), layout.step_dir_name(4)]
     files = sorted(os.listdir(paths[-1]))
     assert files == ["manifest.json", "model-00001-of-00001.safetensors", "optimizer-00001-of-00001.safetensors"]
     assert layout.resolve(tmp_path / "ck") == str(paths[-1])

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from test_checkpoint import data, make, train
 
 import infinity
-from infinity.checkpoint import save
+from infinity.checkpoint import owner, save
 from infinity.engine.faults import UsageError
 
 
@@ -104,7 +104,7 @@ def test_a_failed_background_save_is_raised_by_wait_and_keeps_the_run(tmp_path, 
     train(m, o, None, data(3)[2:])  # the run goes on
     with pytest.raises(infinity.CheckpointSpaceError, match="partial checkpoint was removed"):
         pending.wait()
-    assert sorted(os.listdir(tmp_path / "ck")) == [first.name]  # nothing partial left, the first intact
+    assert sorted(os.listdir(tmp_path / "ck")) == [owner.LOCK_NAME, first.name]  # nothing partial left, the first intact
     monkeypatch.setattr(save, "test_hook", None)
     again = infinity.save_checkpoint(tmp_path / "ck", m, o)  # already reported: not raised again
     assert infinity.verify_checkpoint(again) and infinity.verify_checkpoint(first)

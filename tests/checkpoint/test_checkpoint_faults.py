@@ -19,7 +19,7 @@ import infinity
 
 # A child process imports this folder's tests and the shared helpers in tests/.
 HERE_AND_TESTS = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from infinity.checkpoint import layout, save
+from infinity.checkpoint import layout, owner, save
 from infinity.engine.faults import EngineFailedError
 
 KILLER = textwrap.dedent("""
@@ -68,7 +68,7 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint(tmp_path, point, nth)
     train(m, o, None, data(3)[2:])
     infinity.save_checkpoint(tmp_path / "ck", m, o)
     layout.wait_removals(str(tmp_path / "ck"))  # (deleted in the background)
-    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(".")]
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(".") and n != owner.LOCK_NAME]
     infinity.close(m)
 
 
@@ -160,11 +160,11 @@ def test_a_full_disk_is_named_the_partial_removed_and_the_run_goes_on(ext4, tmp_
     o.zero_grad()
     with pytest.raises(infinity.CheckpointSpaceError, match="bytes.*free.*needs"):
         infinity.save_checkpoint(ext4 / "ck", m, o)  # refused before writing: the need is known
-    assert not os.listdir(ext4 / "ck")
+    assert os.listdir(ext4 / "ck") == [owner.LOCK_NAME]
     monkeypatch.setattr(save, "_check_space", lambda root, plan: None)  # now the disk fills while writing
     with pytest.raises(infinity.CheckpointSpaceError, match="filled up while writing"):
         infinity.save_checkpoint(ext4 / "ck", m, o)
-    assert not os.listdir(ext4 / "ck"), "the partial checkpoint was removed"
+    assert os.listdir(ext4 / "ck") == [owner.LOCK_NAME], "the partial checkpoint was removed"
     m(x, y).backward()  # the run goes on
     o.step()
     infinity.close(m)
