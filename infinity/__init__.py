@@ -23,7 +23,7 @@ from .engine.faults import EngineFailedError
 from .engine.adapt.pressure import MemoryPressureError
 from .engine.owners.residency import DeviceOutOfMemoryError
 from .engine.mechanism.tiers import BudgetError
-from .engine.plan.floor import MemoryLimitError
+from .engine.adapt.floor import MemoryLimitError
 from .lazy_init import init
 from .checkpoint.pretrained import load_pretrained
 from .optim import CPUAdamW

@@ -223,7 +223,9 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     forward/backward); ``fetches``, ``prefetches``, ``evictions``, ``steps``,
     ``skipped_steps``, ``trace_invalidations``, ``units``; ``loss_scale``;
     ``pressure_events`` (what the engine gave back under memory pressure,
-    and when) and ``host_cache_cap`` (the host cache's cap now, or None).
+    and when), ``host_cache_cap`` (the host cache's cap now, or None) and
+    ``optimizer_threads`` (the CPU AdamW's threads: [Note: the optimizer's
+    thread budget] in engine/plan/limits.py).
     """
     eng = engine_of(model)
     s = eng.stats
@@ -257,6 +259,7 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "host_pinned": eng.room.tier.pinned,
         "pressure_events": list(eng.pressure.events),
         "host_cache_cap": eng.room.cap_bytes,
+        "optimizer_threads": opt.threads if opt is not None else None,
     }
 
 

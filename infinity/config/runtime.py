@@ -85,7 +85,7 @@ class Config:
     unit_classes: module class names (or classes) that form a paging unit.
         Default: each child of every ``nn.ModuleList``. The parameters not
         in any unit form the root unit, resident during forward and backward.
-    num_threads: CPU threads of the optimizer kernel (default: all cores).
+    num_threads: CPU threads of the optimizer kernel (default: all cores; on CUDA all but 2).
     loss_scale: ``"dynamic"`` or a fixed float (fp16 only).
     initial_loss_scale: first dynamic loss scale (fp16).
     loss_scale_growth_interval: steps without overflow before the scale doubles.

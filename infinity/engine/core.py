@@ -24,7 +24,7 @@ from .owners.host_cache import HostCache
 from .mechanism.mover import DeferredTicket, make_mover
 from .mechanism.nvme import NvmeTier
 from .owners.optstate import OptimizerState
-from .plan.floor import check_memory_floor
+from .adapt.floor import check_memory_floor
 from .plan.limits import STAGING_PER_PATH
 from .plan.placement import host_need, modes_of, nvme_capacity, place_unit
 from .adapt.pressure import PressureMonitor

@@ -88,7 +88,7 @@ class Context:
         return {"device": p["device"]["minimum"], "host": p["host"]["minimum"], "state": 16 * p["units"]["parameters"]}
 
 
-def _row(name: str, checks: Dict[str, bool], main: Optional[dict] = None, **kw) -> dict:
+def row(name: str, checks: Dict[str, bool], main: Optional[dict] = None, **kw) -> dict:
     steps = (main or {}).get("step_s") or []
     row = {"name": name, "passed": all(checks.values()), "checks": checks,
            "peaks": (main or {}).get("peak"), "budgets": (main or {}).get("budget"),
@@ -120,7 +120,7 @@ def budget_squeeze(ctx: Context) -> dict:
     low_host = ctx.run(ctx.job(device_memory=2 * mins["device"], host_memory=mins["host"] // 2, end=1))
     checks["host budget below its minimum: refused naming the bytes"] = \
         bool(low_host["error"]) and "bytes" in low_host["error"] and "host_memory" in low_host["error"]
-    return _row("budget squeeze", checks, main, curve=curve, refusal=below["error"], state_bytes=mins["state"],
+    return row("budget squeeze", checks, main, curve=curve, refusal=below["error"], state_bytes=mins["state"],
                 host_budget=host)
 
 
@@ -153,7 +153,7 @@ def ram_squeeze(ctx: Context) -> dict:
             got, outcomes = _cgroup_cases(ctx, cg, need)
             checks.update(got)
             notes += "; cgroup limits just above and just below the run's estimated need: " + "; ".join(outcomes)
-    return _row("RAM squeeze", checks, res, events=res.get("events"), notes=notes)
+    return row("RAM squeeze", checks, res, events=res.get("events"), notes=notes)
 
 
 def _spill_case(ctx: Context) -> Dict[str, bool]:
@@ -304,7 +304,7 @@ def pinned_squeeze(ctx: Context) -> dict:
     res = ctx.run(ctx.job(end=3), preexec=small_memlock)
     checks = {"finished under ulimit -l 64": res["error"] is None and res["returncode"] == 0,
               "at most one pinning warning": res.get("stderr", "").count("pin") <= 1}
-    return _row("pinned-memory squeeze", checks, res, notes="CPU device: the host pool is not page-locked here")
+    return row("pinned-memory squeeze", checks, res, notes="CPU device: the host pool is not page-locked here")
 
 
 def disk_faults(ctx: Context) -> dict:
@@ -341,7 +341,7 @@ def disk_faults(ctx: Context) -> dict:
         finally:
             unmount(tiny)
         checks["swap filesystem too small: refused naming the path"] = bool(small["error"]) and tiny in small["error"]
-    return _row("disk faults", checks, bad, first_error=err, notes=notes, resumed_exactly=all(
+    return row("disk faults", checks, bad, first_error=err, notes=notes, resumed_exactly=all(
         v for k, v in checks.items() if "resume" in k))
 
 
@@ -427,7 +427,7 @@ def process_faults(ctx: Context) -> dict:
         checks[f"SIGKILL mid-save ({point} #{nth}): the previous checkpoint resumed exactly"] = \
             dead["returncode"] == -9 and again["error"] is None and min(again["losses"], default=99) == 2 and \
             all(ref[k] == v for k, v in again["losses"].items())
-    return _row("process faults", checks, first, resumed_exactly=all(v for k, v in checks.items() if "resumed" in k))
+    return row("process faults", checks, first, resumed_exactly=all(v for k, v in checks.items() if "resumed" in k))
 
 
 SCENARIOS = {"budget": budget_squeeze, "ram": ram_squeeze, "pinned": pinned_squeeze, "disk": disk_faults,

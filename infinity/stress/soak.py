@@ -130,7 +130,7 @@ def soak(ctx) -> dict:
     """Training with deep prefetch for ``--minutes`` and at least
     :func:`steps_needed` steps (``--quick``: just those, however long they
     take), judged by :func:`judge`."""
-    from .scenarios import _row
+    from .scenarios import row
     seconds = 0 if ctx.quick else 60 * ctx.minutes
     steps = steps_needed(ctx.quick)
     mins = ctx.budgets(depth=4)
@@ -140,4 +140,4 @@ def soak(ctx) -> dict:
     checks = {"ran": res["error"] is None and bool(s)}
     got, figures = judge(s, res.get("thread_bounds") or {"MainThread": 1}, ctx.quick)
     checks.update(got)
-    return _row("soak", checks, res, steps=len(res.get("step_s") or []), seconds=seconds, samples=s, **figures)
+    return row("soak", checks, res, steps=len(res.get("step_s") or []), seconds=seconds, samples=s, **figures)

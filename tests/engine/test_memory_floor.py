@@ -1,7 +1,7 @@
 """A memory cgroup limit below the run's memory floor is refused at
 initialize with MemoryLimitError, naming the limit, where it was read and
 the floor, before anything is allocated (issue 34, item 4; [Note: the memory
-floor] in infinity/engine/plan/floor.py). The cgroup reader is replaced
+floor] in infinity/engine/adapt/floor.py). The cgroup reader is replaced
 here; where root can make a memory cgroup, a real one checks the same in a
 child process (skipped, saying why, otherwise)."""
 
@@ -16,7 +16,7 @@ import torch
 from paging_zoo import Chain, base_config
 
 import infinity
-from infinity.engine.plan import floor
+from infinity.engine.adapt import floor
 from infinity.system import sysinfo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ CHILD = """
 import json, sys, torch, infinity
 sys.path.insert(0, sys.argv[2])
 from paging_zoo import Chain, base_config
-from infinity.engine.plan import floor
+from infinity.engine.adapt import floor
 from infinity.system import sysinfo
 parts = {}
 if sys.argv[3] == "probe":  # no real limit: a 1-byte one read, and the floor's parts kept

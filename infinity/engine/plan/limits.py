@@ -8,7 +8,7 @@ follows from another where it does, so changing one changes both sides.
 """
 
 __all__ = ["DEVICE_ALIGN", "POOL_ALIGN", "MAX_QUEUED", "BUFFERS_PER_UPDATE", "PIPELINE_BUFFERS", "MAX_REDUCING",
-           "ZERO_REDUCING_UNITS", "STAGING_PER_PATH"]
+           "ZERO_REDUCING_UNITS", "STAGING_PER_PATH", "RUNTIME_THREADS_CUDA", "optimizer_threads"]
 
 DEVICE_ALIGN = 512   # bytes; device arena ranges start here (tiers.DeviceTier), one per unit in the device need
 POOL_ALIGN = 4096    # bytes; host buffers start on pages (O_DIRECT, pinning)
@@ -28,3 +28,27 @@ MAX_REDUCING = 1
 ZERO_REDUCING_UNITS = MAX_REDUCING + 1
 
 STAGING_PER_PATH = 2  # NVMe staging buffers of swap_block_size per swap path (NvmeTier, the estimator)
+
+# [Note: the optimizer's thread budget]
+# On CUDA the native AdamW runs while backward does: the main thread launches
+# the backward's kernels and the gradient thread upcasts or adds gradients
+# that crossed PCIe (mover.py). An AdamW on every core would leave those two
+# runnable threads waiting for a core, and a kernel launch late by a time
+# slice stalls the GPU. So on CUDA the optimizer takes the cores minus
+# RUNTIME_THREADS_CUDA (at least one). On the CPU device compute is the main
+# thread's own torch work and the kernels share the cores as before.
+# Config.num_threads (or INFINITY_NUM_THREADS) overrides either default.
+RUNTIME_THREADS_CUDA = 2
+
+
+def optimizer_threads(configured, cores: int, is_cuda: bool, env_set: bool = False) -> int:
+    """Threads of the optimizer kernel: ``configured`` (Config.num_threads)
+    if set, else ``cores`` (the affinity mask, or INFINITY_NUM_THREADS when
+    ``env_set``), less the runtime's own threads on CUDA unless the
+    environment chose the count."""
+    if configured is not None:
+        return int(configured)
+    if is_cuda and not env_set:
+        return max(1, cores - RUNTIME_THREADS_CUDA)
+    return max(1, cores)
+

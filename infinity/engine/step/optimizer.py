@@ -10,6 +10,7 @@ schedule.py), one unit's update is update.py's.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import List
 
@@ -22,6 +23,8 @@ import torch
 import torch._dynamo  # noqa: F401,E402
 
 from ...optim.functional import group_hyper
+from ...system import native
+from ..plan.limits import optimizer_threads
 from ..faults import UsageError
 from .scaling import Scaling
 from .state_view import StateView
@@ -51,8 +54,11 @@ class InfinityOptimizer(torch.optim.Optimizer):
         self._scaled = self._warned_unscaled = False
         cfg = engine.config
         chunk = engine.nvme.sum_chunk_bytes if engine.modes.opt_nvme else None
+        # See [Note: the optimizer's thread budget] in plan/limits.py.
+        self.threads = optimizer_threads(cfg.num_threads, native.default_num_threads(), engine.mover.is_cuda,
+                                         env_set=bool(os.environ.get("INFINITY_NUM_THREADS")))
         self.updater = Updater(engine.modes, engine.sharding, self.param_groups, engine.stats, chunk,
-                               cfg.num_threads, engine.values_changed)
+                               self.threads, engine.values_changed)
         self.scaling = Scaling(cfg, engine.sharding, engine.grads, self.updater.counted_runs, engine.stats)
         self.schedule = make_schedule(engine.parts, self.updater, cfg.overlap, cfg.grad_accumulation_steps,
                                       early_ok=not self.scaling.waits_for_step)

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from ...system import sysinfo
 from ..mechanism.tiers import BudgetError
-from .estimator import RUNTIME_BYTES
+from ..plan.estimator import RUNTIME_BYTES
 
 __all__ = ["MemoryLimitError", "memory_floor", "check_memory_floor"]
 
