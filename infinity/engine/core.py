@@ -118,6 +118,7 @@ class Engine:
         self.budget.after_step(self.residency, self.grads, self.saved)
         self.pressure.after_step()
         self.fence.after_step()
+        self.residency.prefetch_next_pass()  # See [Note: the trace wraps around the step] in residency.py
 
     # -- wiring ------------------------------------------------------------------------------
 

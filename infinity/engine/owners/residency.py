@@ -324,6 +324,35 @@ class Residency:
             self._begin(u, off)
             self.stats.prefetches += 1
 
+    def prefetch_next_pass(self) -> None:
+        """After ``step()``: the next training pass's first units start coming
+        up (see [Note: the trace wraps around the step]).
+
+        [Note: the trace wraps around the step]
+        A pass's trace ends with its backward, so without more the next
+        forward would fetch the root and its first units on demand, each
+        waiting for its copy. At the end of ``step()`` every home holds the
+        new values and the device copies were dropped (``invalidate``), so
+        the head of the training trace is prefetched then, into free room
+        only (nothing is evicted for it), and the copies overlap whatever
+        runs before the next forward (zero_grad, the data loader). A write
+        to a parameter meanwhile drops the copy as it drops any. Several
+        ranks skip it (a ZeRO-3 fetch is a collective, issued in compute's
+        order)."""
+        depth = self.depth()
+        if depth == 0 or self.modes.params_on_device or self.sharding.world > 1:
+            return
+        plan = policy.prefetch_plan(self.trace.head("train", 4 * depth + 4), depth, self.modes.prefetch_bytes,
+                                    lambda i: self.units[i].dev.state is DeviceState.ABSENT,
+                                    lambda i: self.units[i].place.compute_bytes)
+        for idx in plan:
+            u = self.units[idx]
+            off = self._alloc(u, evict=False)
+            if off is None:
+                break
+            self._begin(u, off)
+            self.stats.prefetches += 1
+
     # -- release -------------------------------------------------------------------------
 
     def unpin(self, u) -> None:

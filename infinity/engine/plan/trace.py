@@ -89,6 +89,12 @@ class Trace:
         seq = self._traces[self.kind]
         return seq[self.cursor:self.cursor + limit]
 
+    def head(self, kind: str, limit: int) -> List[int]:
+        """The first ``limit`` entries of the trace of ``kind`` (empty without
+        one): what the next pass of that kind uses first (see [Note: the
+        trace wraps around the step] in residency.py)."""
+        return self._traces.get(kind, [])[:limit]
+
     def next_use(self, unit: int) -> float:
         """Trace index of ``unit``'s next use at or after the cursor; NEVER if none or not replaying."""
         if not self.replaying:
