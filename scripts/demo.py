@@ -16,8 +16,9 @@ of infinity's step against the plain-PyTorch step with its lower bound
 max(compute + optimizer, transfers) measured on this machine; the whole
 step's time split into its parts (they add up to the measured step); bytes
 and bandwidth per link; peak bytes per tier against budget; peak RSS.
-Written: OUT/metrics.jsonl and OUT/report.png (loss, time, tiers, links),
-and with --json a machine-readable summary. The swap files are removed at
+Written: OUT/metrics.jsonl and, where matplotlib is installed, OUT/report.png
+(loss, time, tiers, links; without matplotlib the run says how to draw it
+later with `infinity report`), and with --json a machine-readable summary. The swap files are removed at
 the end; nothing is written outside --swap-dir and --out.
 """
 
@@ -281,6 +282,21 @@ def run(args) -> dict:
     return res
 
 
+def write_plots(out: str) -> str:
+    """Writes OUT/report.png from OUT/metrics.jsonl when matplotlib is
+    installed; returns the line saying where the metrics (and plots) are, or
+    how to get the plots without it (matplotlib is an optional extra)."""
+    metrics, png = os.path.join(out, "metrics.jsonl"), os.path.join(out, "report.png")
+    try:
+        import matplotlib  # noqa: F401 - only to know whether the plots can be drawn here
+    except ImportError:
+        return (f"metrics: {metrics}; no plots: matplotlib is not installed (for them: pip install matplotlib, "
+                f"then infinity report {metrics} -o {png})")
+    from infinity.cli.report import plot, read_metrics
+    plot(read_metrics(metrics), png)
+    return f"metrics: {metrics}; plots: {png}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -290,16 +306,10 @@ def main(argv=None) -> int:
         return 2
     print(f"sample after training:  {res['sample_end']!r}")
     print_summary(res)
-    png = os.path.join(args.out, "report.png")
-    try:
-        from infinity.cli.report import plot, read_metrics
-        plot(read_metrics(os.path.join(args.out, "metrics.jsonl")), png)
-        print(f"\nmetrics: {os.path.join(args.out, 'metrics.jsonl')}; plots: {png}")
-    except ImportError:
-        print(f"\nmetrics: {os.path.join(args.out, 'metrics.jsonl')} (pip install matplotlib for {png})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+    print("\n" + write_plots(args.out))
     ok = res["budgets_held"] and res["loss_end"] < res["loss_start"]
     print(f"\nloss {res['loss_start']:.3f} -> {res['loss_end']:.3f} nats/byte (uniform guessing: 5.545); "
           f"device and host budgets held: {res['budgets_held']}")

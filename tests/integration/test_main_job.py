@@ -35,3 +35,26 @@ def test_quick_main_job(tmp_path):
     for line in ("where the time of a step went", "overhead ratio", "lower bound", "sample after training",
                  "peak RSS"):
         assert line in r.stdout, line
+
+
+def test_main_job_without_matplotlib(tmp_path):
+    """`pip install infinity` alone has no matplotlib: the demo still writes its
+    metrics, says how to get the plots, and exits 0 (issue 35, item 1)."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    # None in sys.modules makes `import matplotlib` raise ImportError, as when it is not installed.
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    out, res_path = tmp_path / "out", tmp_path / "res.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--quick", "--steps", "4",
+                        "--plain-steps", "2", "--layers", "1", "--out", str(out), "--swap-dir", str(tmp_path / "swap"),
+                        "--json", str(res_path)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(ROOT)])))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert json.loads(res_path.read_text())["steps"] == 4
+    assert not (out / "report.png").exists()
+    hint = [line for line in r.stdout.splitlines() if "matplotlib" in line]
+    assert len(hint) == 1, r.stdout
+    assert "pip install matplotlib" in hint[0] and f"infinity report {out / 'metrics.jsonl'}" in hint[0], hint
