@@ -85,9 +85,9 @@ class Engine:
         self.budget = DeviceBudget(self.units, modes, self.device, cfg.device_memory)
         dev_tier = self.budget.first_tier()
         need = host_need([u.place for u in self.units], modes)
-        self.host_budget = host_budget(cfg.host_memory, need)
+        self.host_budget = host_budget(cfg.host_memory, need, modes)
         host_tier = HostTier(need.capacity, self.host_budget, pin=self.device.type == "cuda",
-                             need_bytes=need.minimum, device=self.device)
+                             need_bytes=need.minimum, device=self.device, modes=modes)
         self.nvme = None
         if modes.nvme_used:
             # The global rank names the folder: ranks of different groups on one node never share it.
