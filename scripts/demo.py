@@ -275,8 +275,8 @@ def rss_lines(res: dict) -> list:
     return [f"peak RSS of the process during the infinity run: {f(peak)}; the host budget bounds only the model state "
             "kept in RAM, and the RSS holds more:",
             f"  {f(start):>10}  the Python interpreter, torch and infinity, resident when the run started",
-            f"  {f(before - start):>10}  the corpus and the model as built in fp32, before infinity.initialize (the "
-            "plain-PyTorch comparison was freed and the heap trimmed before this was measured)",
+            f"  {f(before - start):>10}  the corpus, the model as built in fp32 and what torch kept from the "
+            "plain-PyTorch comparison (that model was freed and the heap trimmed), before infinity.initialize",
             f"  {f(peak - before):>10}  added during the infinity run: {tiers}, the batch's activations (as in plain "
             "torch), the swap staging buffers and the worker threads' allocator arenas"]
 
