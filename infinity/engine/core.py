@@ -91,9 +91,9 @@ class Engine:
         check_memory_floor(self.model, need.minimum, self.budget.minimum(), self.device.type == "cpu",
                            STAGING_PER_PATH * cfg.swap_block_size * len(cfg.swap_paths) if modes.nvme_used else 0)
         dev_tier = self.budget.first_tier()
-        self.host_budget = host_budget(cfg.host_memory, need)
+        self.host_budget = host_budget(cfg.host_memory, need, modes)
         host_tier = HostTier(need.capacity, self.host_budget, pin=self.device.type == "cuda",
-                             need_bytes=need.minimum, device=self.device)
+                             need_bytes=need.minimum, device=self.device, modes=modes)
         self.nvme = None
         if modes.nvme_used:
             # The global rank names the folder: ranks of different groups on one node never share it.

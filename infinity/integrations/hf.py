@@ -14,6 +14,9 @@ Trainer's loop are the ones infinity needs:
   ``gradient_accumulation_steps``; the logged
   ``grad_norm`` is the norm infinity measured (``optimizer.last_grad_norm``),
   not torch's ``clip_grad_norm_`` over ``p.grad`` (None on managed parameters);
+  without clipping (``max_grad_norm=0``) the engine measures no norm, so for
+  the steps the Trainer will log it measures one with a bound that never
+  clips (see ``_measure_norm``);
 - checkpoints keep the Trainer's folder layout; the optimizer, scheduler and
   fp32 master state go through ``infinity.save_checkpoint`` into
   ``checkpoint-N/infinity/`` (streamed unit by unit, crash-safe), and
@@ -32,6 +35,7 @@ import os
 from typing import Optional
 
 from transformers import Trainer
+from transformers.trainer_utils import IntervalStrategy
 from transformers.trainer_pt_utils import get_parameter_names
 
 from ..api import engine_of, initialize
@@ -42,6 +46,9 @@ from ..engine.faults import UsageError
 __all__ = ["InfinityTrainer", "CHECKPOINT_SUBDIR"]
 
 CHECKPOINT_SUBDIR = "infinity"  # inside the Trainer's checkpoint-N folder
+# A clipping bound no finite norm reaches: the clip coefficient min(bound / (norm + 1e-6), 1)
+# is exactly 1, so the update is unchanged and only the norm is measured.
+MEASURE_ONLY_NORM = 1e30
 
 
 class InfinityTrainer(Trainer):
@@ -62,6 +69,8 @@ class InfinityTrainer(Trainer):
                                       lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                       eps=args.adam_epsilon, weight_decay=args.weight_decay)
         self.infinity_optimizer = optimizer
+        # Without clipping or fp16 the engine measures no norm; the plain Trainer logs one anyway.
+        self._norm_on_demand = not optimizer.scaling.waits_for_step
         super().__init__(model=model, args=args, optimizers=(optimizer, None), **kwargs)
         # Accelerate would round-trip the optimizer's whole state through its
         # state_dict to "place" it, and move the model: neither applies here.
@@ -75,8 +84,40 @@ class InfinityTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         return None  # known after step(); logged in _maybe_log_save_evaluate
 
+    def training_step(self, model, inputs, *args, **kwargs):
+        # Before the backward: with overlap="backward" the updates start during it.
+        self._measure_norm(self._norm_on_demand and self._logs_after_this_step())
+        return super().training_step(model, inputs, *args, **kwargs)
+
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
-        return super()._maybe_log_save_evaluate(tr_loss, self.infinity_optimizer.last_grad_norm, *args, **kwargs)
+        norm = self.infinity_optimizer.last_grad_norm
+        self._measure_norm(False)
+        return super()._maybe_log_save_evaluate(tr_loss, norm, *args, **kwargs)
+
+    def _measure_norm(self, on: bool) -> None:
+        """Makes the next ``optimizer.step()`` measure the global gradient norm
+        (``optimizer.last_grad_norm``, unscaled) without clipping, or stops
+        measuring (``on`` False; the norm left from the last measured step is
+        cleared so it is never logged for another step). Measuring costs one
+        pass over the gradients, and with overlap="backward" the step's updates
+        wait for ``step()``, so it is on only for steps the Trainer logs."""
+        if not self._norm_on_demand:
+            return  # clipping or fp16: the engine measures every step itself
+        opt = self.infinity_optimizer
+        if not on and opt.scaling.max_grad_norm is not None:
+            opt.scaling.last_grad_norm = None
+        opt.scaling.max_grad_norm = MEASURE_ONLY_NORM if on else None
+        opt.schedule.early_ok = not on  # the norm needs every gradient before any update
+
+    def _logs_after_this_step(self) -> bool:
+        """Whether the Trainer's default flow (DefaultFlowCallback) logs after
+        the optimizer step now accumulating; with the epoch strategy, every step
+        may end an epoch, so every step is measured."""
+        a, nxt = self.args, self.state.global_step + 1
+        if a.logging_strategy == IntervalStrategy.EPOCH:
+            return True
+        steps = a.logging_strategy == IntervalStrategy.STEPS and nxt % max(1, int(self.state.logging_steps)) == 0
+        return (nxt == 1 and bool(a.logging_first_step)) or steps
 
     # -- checkpoints through infinity ----------------------------------------------------------
 

@@ -153,6 +153,33 @@ def test_trainer_matches_the_plain_trainer_and_resumes_exactly(tmp_path, name):
     infinity.close(again.model)
 
 
+@pytest.mark.parametrize("overlap", ["step", "backward"])
+def test_trainer_without_clipping_logs_the_plain_trainers_grad_norm(tmp_path, overlap, monkeypatch):
+    """max_grad_norm=0: the plain Trainer still logs grad_norm; so does
+    InfinityTrainer, measuring it only for the steps it logs, without
+    changing the training (issue 35, item 3)."""
+    build, unit = BUILDERS["llama"]
+    kw = dict(max_grad_norm=0.0, logging_steps=2, logging_first_step=True, save_strategy="no", max_steps=5)
+    torch.manual_seed(0)
+    plain = Trainer(model=build(), args=training_args(tmp_path / "plain", **kw), train_dataset=dataset())
+    plain.train()
+    torch.manual_seed(0)
+    ours = InfinityTrainer(model=build(), args=training_args(tmp_path / "ours", **kw), train_dataset=dataset(),
+                           infinity_config=dataclasses.replace(config(unit, tmp_path), overlap=overlap))
+    grads = ours.infinity_engine.grads
+    measured = []
+    real = grads.sum_of_squares
+    monkeypatch.setattr(grads, "sum_of_squares", lambda *a: measured.append(1) or real(*a))
+    ours.train()
+    assert logged(plain, "grad_norm") and len(logged(plain, "grad_norm")) == 3  # steps 1, 2 and 4
+    assert logged(ours, "grad_norm") == pytest.approx(logged(plain, "grad_norm"), rel=1e-4)
+    assert logged(ours, "loss") == pytest.approx(logged(plain, "loss"), rel=1e-5)
+    assert len(measured) == 3  # the logged steps only, of 5
+    opt = ours.infinity_optimizer
+    assert opt.scaling.max_grad_norm is None and opt.schedule.early_ok  # no clipping after the last logged step
+    infinity.close(ours.model)
+
+
 def test_trainer_refuses_its_own_mixed_precision(tmp_path):
     with pytest.raises(infinity.engine.faults.UsageError, match="Config\\(dtype"):
         InfinityTrainer(model=llama(), args=training_args(tmp_path, bf16=True), train_dataset=dataset())

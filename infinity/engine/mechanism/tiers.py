@@ -122,12 +122,13 @@ class HostTier:
     """
 
     def __init__(self, capacity_bytes: int, budget_bytes: int, pin: bool, need_bytes: Optional[int] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, modes=None):
         need = capacity_bytes if need_bytes is None else need_bytes
         if need > budget_bytes:
             raise BudgetError(f"host tier: the model state placed on the host needs {need} bytes "
                               f"({format_bytes(need)}), more than host_memory={budget_bytes} bytes "
-                              f"({format_bytes(budget_bytes)}); raise host_memory or offload to 'nvme'")
+                              f"({format_bytes(budget_bytes)}); raise host_memory to at least {need} bytes, or "
+                              f"{host_fixes(modes)}")
         self.budget_bytes = budget_bytes
         self.pool = None
         self._buffers = {}  # data_ptr -> pool handle of the buffers kept for good
@@ -208,19 +209,39 @@ class HostTier:
             pool.close()
 
 
-def host_budget(given: Optional[int], need) -> int:
+def host_fixes(modes) -> str:
+    """The changes besides a larger host budget that lower the host tier's
+    need under ``modes`` (placement.Modes; None: not known), for errors: only
+    those the configuration still allows, so both homes already on 'nvme' are
+    not told to offload to 'nvme'."""
+    if modes is None:
+        return "offload to 'nvme'"
+    fixes = [f"offload_{what}='nvme' (now 'host')" for what, home in (("params", modes.params),
+                                                                        ("optimizer", modes.optimizer))
+             if home == "host"]
+    if modes.params_nvme:  # the host caches prefetch_depth + 2 compute copies of the largest unit
+        fixes.append(f"lower prefetch_depth (now {modes.depth})")
+    if modes.nvme_used:  # the cache and the optimizer's buffers are sized by the largest unit
+        fixes.append("make the largest unit smaller (unit_classes)")
+    if not fixes:
+        return "keep less state on the host"
+    return ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+
+
+def host_budget(given: Optional[int], need, modes=None) -> int:
     """The host budget (bytes): ``given`` (``Config.host_memory``), or 80% of
     the memory this process may use (the machine's, or its cgroup's if
     smaller); refused if the pool ``need`` (placement.HostNeed) asks for would
-    not fit what the process may use (the OOM killer would end it)."""
+    not fit what the process may use (the OOM killer would end it).
+    ``modes`` (placement.Modes) names the other fixes in the error."""
     room = sysinfo.available_ram()
     budget = given if given is not None else int(room * 0.8)
     if given is None and need.minimum > budget:
         raise BudgetError(
             f"host tier: the model state placed on the host needs {need.minimum} bytes "
             f"({format_bytes(need.minimum)}), more than the default host_memory of {budget} bytes: 80% of "
-            f"what this process may use ({sysinfo.describe()}). Raise the memory limit, offload to 'nvme' "
-            "or lower prefetch_depth")
+            f"what this process may use ({sysinfo.describe()}). Raise the memory limit, or "
+            f"{host_fixes(modes) if modes is not None else 'offload to nvme or lower prefetch_depth'}")
     pool = min(need.capacity, budget)
     if pool > room:
         raise BudgetError(
