@@ -327,7 +327,8 @@ def _take_dead_lock(fd: int, dfd: int, lock_path: str) -> Tuple[int, record.Proo
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        # The record's first line is the pid; the files it created follow ([Note: a run's record]).
+        owner = os.pread(fd, 64, 0).decode(errors="replace").split("\n", 1)[0].strip() or "unknown"
         raise StoreLockedError(
             f"swap directory '{os.path.dirname(lock_path)}' is in use by another SwapStore (pid {owner}; lock "
             f"file '{lock_path}'). Give this run its own directory, or stop the other one.") from None
