@@ -469,3 +469,34 @@ def test_deleting_and_clearing_optimizer_state_restarts_it_as_torch(tmp_path, pa
     with pytest.raises(KeyError):
         del o.state[torch.nn.Parameter(torch.zeros(1))]
     infinity.close(m)
+
+
+def test_lr_set_between_backward_and_step_with_backward_overlap_warns_and_applies_to_every_unit_alike():
+    """With overlap="backward" the updates run during backward: an lr set
+    before step() took effect one step late, silently, and the updates that
+    ran in step() (the root's) used the new one: a mix."""
+    import copy
+    ref = skipping_chain({})()
+    m = copy.deepcopy(ref)
+    ro = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    cfg = infinity.Config(device="cpu", dtype="fp32", offload_params="host", offload_optimizer="host",
+                          overlap="backward")
+    m, o = infinity.initialize(m, cfg, lr=1e-2)
+    lrs = [1e-2, 3e-2, 5e-3, 2e-2]
+    with pytest.warns(RuntimeWarning, match=r"changed between backward\(\) and optimizer.step\(\).*lr 0.01 -> 0.03"):
+        for step in range(4):
+            x, y = batch(step)
+            m.step = ref.step = step
+            for net, opt in ((m, o), (ref, ro)):
+                net(x, y).backward()
+                if opt is o:  # infinity: set just before step(), after the updates ran in backward
+                    for g in opt.param_groups:
+                        g["lr"] = lrs[step]
+                opt.step()
+                opt.zero_grad()
+            for g in ro.param_groups:  # torch, as infinity applies it: from the next step on
+                g["lr"] = lrs[step]
+    got = infinity.full_state_dict(m)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    infinity.close(m)

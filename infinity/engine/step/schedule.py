@@ -19,6 +19,15 @@ one interface: ``unit_ready``, ``backward_done``, ``step``, ``flush``,
   update of this step's gradients, which then runs during the next forward
   and backward. The update applied at step t uses the gradients of step t-1.
 
+[Note: hyper-parameters of early updates]
+With overlap="backward" a unit's update runs during backward, with the
+groups' hyper-parameters of that moment. A change between backward and
+``step()`` (a warm-up that sets lr by hand just before ``step()``) cannot
+reach the updates that ran already, so the whole step keeps the values
+its first early update saw (``_hyper``): every unit is updated alike, never
+half with each value, and ``step()`` warns once that the change takes
+effect one step later than in torch.
+
 [Note: the accumulation window]
 ``Config.grad_accumulation_steps`` backward passes make one step. In the last
 of them some work happens during backward: with overlap="backward" each
@@ -32,10 +41,12 @@ early update raises too, since the update cannot be undone.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import OrderedDict
 from typing import List
 
 
+from ...optim.functional import group_hyper
 from ..plan import policy
 from ..faults import UsageError
 from ..plan.state import OptState
@@ -57,6 +68,8 @@ class StepSchedule:
         self._closing = False           # this backward ran last-window work
         self._root_read = None          # host job reading the root's state ahead (NVMe)
         self._last_order: List[int] = []  # unit indices in the order the last step's updates were queued
+        self._hyper = None              # the groups' hyper-parameters this step's early updates run with
+        self._warned_hyper = False
         # Gradients go through a reduction under data parallelism, and under
         # any ZeRO stage even for one rank: it fills the shard the update reads.
         self.needs_reduce = parts.sharding.world > 1 or parts.modes.zero > 0
@@ -150,6 +163,9 @@ class StepSchedule:
                 if u.place.trainable and not u.grads.reduced and u.index not in self._running:
                     p.grads.reduce(u)
             p.grads.finish_reductions()
+        hyper, self._hyper = self._hyper, None
+        if hyper is not None:
+            self._check_hyper(hyper)
         todo = [u for u in p.units if u.index not in self._running and u.place.trainable]
         for u in todo:  # See [Note: zero_grad(set_to_none=False)] in grads.py
             p.grads.fill_kept_zeros(u)
@@ -158,7 +174,7 @@ class StepSchedule:
             raise RuntimeError("internal: overflow after early updates")  # early updates exclude fp16
         scaling.after_overflow_check(skip)
         if not skip:
-            self._update_all(todo, scale)
+            self._update_all(todo, scale, hyper)
             p.stats.steps += 1
             self._last_order = list(self._running) + [u.index for u in todo]
         for u in p.units:
@@ -168,13 +184,34 @@ class StepSchedule:
         if not skip:
             self._refresh_compute_copies()
 
-    def _update_all(self, todo, scale: float) -> None:
+    def groups_now(self) -> list:
+        """The param groups' hyper-parameters now (no params)."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.updater.param_groups]
+
+    def _check_hyper(self, hyper: list) -> None:
+        """See [Note: hyper-parameters of early updates]: warns (once) when
+        the groups changed since this step's early updates started."""
+        then = [group_hyper(g) for g in hyper]
+        now = [group_hyper(g) for g in self.groups_now()]
+        if then == now or self._warned_hyper:
+            return
+        self._warned_hyper = True
+        what = "; ".join(f"param_groups[{gi}] {k} {getattr(a, k)} -> {getattr(b, k)}"
+                         for gi, (a, b) in enumerate(zip(then, now)) for k in a._fields if getattr(a, k) != getattr(b, k))
+        warnings.warn(
+            "infinity: optimizer hyper-parameters changed between backward() and optimizer.step() with "
+            f"overlap='backward' ({what}): the updates ran during backward with the values they had then, and "
+            "this step() applies those values to every unit, so the change takes effect at the next step "
+            "(torch applies it to this one). Set them before forward (an LR scheduler stepped after "
+            "optimizer.step() does), or use overlap='step'. (Warned once.)", RuntimeWarning, stacklevel=4)
+
+    def _update_all(self, todo, scale: float, hyper=None) -> None:
         p = self.p
         if p.modes.opt_nvme:
-            self._pipeline(todo, scale)
+            self._pipeline(todo, scale, hyper)
         else:
             for u in todo:
-                self.update_in_memory(u, p.grads.update_input(u), list(u.grads.written), scale)
+                self.update_in_memory(u, p.grads.update_input(u), list(u.grads.written), scale, hyper)
         if p.modes.zero in (1, 2):  # every rank gets the new compute copies of every shard
             for u in p.units:
                 if u.place.trainable:
@@ -183,7 +220,7 @@ class StepSchedule:
                     p.host_cache.close_update(u)
                     p.values_changed(u)
 
-    def update_in_memory(self, u, grad, written: List[bool], scale: float) -> None:
+    def update_in_memory(self, u, grad, written: List[bool], scale: float, hyper=None) -> None:
         """One unit's update with its optimizer state in memory (host or
         device). With NVMe homes of the parameters the new compute copy goes
         through the host cache, so it is marked dirty and written back when
@@ -194,24 +231,25 @@ class StepSchedule:
         p.fence.wait_unit(u)
         out = p.host_cache.open_for_update(u, all(written)) if p.modes.host_optimizer else None
         try:
-            self.updater.run(u, grad, written, out, scale, live=True)
+            self.updater.run(u, grad, written, out, scale, live=True, hyper=hyper)
         finally:
             if p.modes.host_optimizer:
                 p.host_cache.close_update(u)
 
-    def update_from_nvme(self, u, grad, written: List[bool], scale: float) -> None:
+    def update_from_nvme(self, u, grad, written: List[bool], scale: float, hyper=None) -> None:
         """One unit's update with its state checked out from NVMe (the reads
         waited for), then checked back in with the kernel's checksums."""
         p = self.p
         p.fence.wait_unit(u)
-        sums = self.updater.run(u, grad, written, p.host_cache.open_for_update(u, all(written)), scale, live=True)
+        sums = self.updater.run(u, grad, written, p.host_cache.open_for_update(u, all(written)), scale, live=True,
+                                hyper=hyper)
         p.optstate.checkin(u, sums)
         # [Note: fp32 master aliasing]: the master's sums over the whole copy
         # go with its write-back on eviction ([Note: sums from the producer]).
         whole = sums is not None and u.place.aliased and u.place.trainable_numel == u.place.compute_numel
         p.host_cache.close_update(u, sums.get("master") if whole else None)
 
-    def _pipeline(self, todo, scale: float) -> None:
+    def _pipeline(self, todo, scale: float, hyper=None) -> None:
         """NVMe optimizer state: while unit i is updated, unit i+1's master,
         moments and gradients are being read and unit i-1's written (see
         [Note: NVMe homes and the host cache])."""
@@ -228,7 +266,7 @@ class StepSchedule:
             pending = load(todo[i + 1]) if i + 1 < len(todo) else []
             grad = p.grads.update_input(u)
             if grad is not None:
-                self.update_from_nvme(u, grad, list(u.grads.written), scale)
+                self.update_from_nvme(u, grad, list(u.grads.written), scale, hyper)
             else:  # no gradient this step: the untouched state goes back
                 p.optstate.discard(u)
             p.grads.release(u)
@@ -293,6 +331,9 @@ class BackwardSchedule(StepSchedule):
         self._closing = True
         grad, written = p.grads.update_input(u), list(u.grads.written)
         scale = 1.0 / p.sharding.world  # gradients are sums over the data-parallel ranks
+        if self._hyper is None:  # See [Note: hyper-parameters of early updates]
+            self._hyper = self.groups_now()
+        hyper = self._hyper
         if p.modes.opt_nvme:
             self._bound_queue()
             if not p.modes.zero:
@@ -302,12 +343,12 @@ class BackwardSchedule(StepSchedule):
                 p.grads.wait(u)
                 for h in p.optstate.checkout(u):
                     h.wait()
-                self.update_from_nvme(u, grad, written, scale)
+                self.update_from_nvme(u, grad, written, scale, hyper)
                 p.grads.release(u)
         else:
             def job() -> None:
                 p.grads.wait(u)
-                self.update_in_memory(u, grad, written, scale)
+                self.update_in_memory(u, grad, written, scale, hyper)
 
         self._running[u.index] = p.mover.host_job(self._guarded(job, u))
         if p.modes.opt_nvme:
@@ -394,7 +435,7 @@ class DelayedSchedule(StepSchedule):
         p.stats.steps += 1
         # The hyper-parameters of this step(): the updates run after it, when
         # an LR scheduler may already have moved the groups' lr.
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.updater.param_groups]
+        hyper = self.groups_now()
         for u, grad, written in work:
             if not any(written):
                 continue  # no gradient: the unit keeps its buffers (see [Note: the delayed pair])
