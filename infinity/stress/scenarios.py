@@ -146,7 +146,7 @@ def ram_squeeze(ctx: Context) -> dict:
         checks.update(got)
         notes += "; a ballast process leaving MemAvailable just above, then just below the run's need: " + \
             "; ".join(outcomes)
-        cg = _memory_cgroup(ctx)
+        cg = memory_cgroup()
         if cg is None:
             notes += "; no writable memory cgroup here: the cgroup cases did not run"
         else:
@@ -243,8 +243,10 @@ def _ballast_cases(ctx: Context, need: int):
     return checks, outcomes
 
 
-def _memory_cgroup(ctx: Context) -> Optional[str]:
-    """A new child of this process's memory cgroup (v1 or v2), or None where it cannot be made."""
+def memory_cgroup(prefix: str = "infinity-stress") -> Optional[str]:
+    """A new child of this process's memory cgroup (v1 or v2) named
+    ``<prefix>-<pid>``, or None where it cannot be made (not root, no
+    memory controller). The caller removes it."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = [ln.split(":", 2) for ln in f.read().splitlines()]
@@ -255,7 +257,7 @@ def _memory_cgroup(ctx: Context) -> Optional[str]:
             ("/sys/fs/cgroup" if controllers == "" else None)
         if base is None or not os.path.isdir(base + rel):
             continue
-        path = os.path.join(base + rel, f"infinity-stress-{os.getpid()}")
+        path = os.path.join(base + rel, f"{prefix}-{os.getpid()}")
         try:
             os.mkdir(path)
             return path

@@ -17,6 +17,7 @@ from paging_zoo import Chain, base_config
 
 import infinity
 from infinity.engine.adapt import floor
+from infinity.stress.scenarios import memory_cgroup
 from infinity.system import sysinfo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +94,7 @@ import json, sys, torch, infinity
 sys.path.insert(0, sys.argv[2])
 from paging_zoo import Chain, base_config
 from infinity.engine.adapt import floor
+from infinity.stress.scenarios import memory_cgroup
 from infinity.system import sysinfo
 parts = {}
 if sys.argv[3] == "probe":  # no real limit: a 1-byte one read, and the floor's parts kept
@@ -111,27 +113,6 @@ except infinity.MemoryLimitError as e:
 """
 
 
-def _child_cgroup():
-    """A new child of this process's memory cgroup (v1 or v2), or None."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = [ln.split(":", 2) for ln in f.read().splitlines()]
-    except OSError:
-        return None
-    for _, controllers, rel in lines:
-        base = "/sys/fs/cgroup/memory" if "memory" in controllers.split(",") else \
-            ("/sys/fs/cgroup" if controllers == "" else None)
-        if base is None or not os.path.isdir(base + rel):
-            continue
-        path = os.path.join(base + rel, f"infinity-floor-{os.getpid()}")
-        try:
-            os.mkdir(path)
-            return path
-        except OSError:
-            continue
-    return None
-
-
 def _child(tmp_path, mode, preexec=None):
     r = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "swap"), str(ROOT / "tests"), mode],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300,
@@ -143,7 +124,7 @@ def _child(tmp_path, mode, preexec=None):
 def test_a_real_cgroup_below_the_floor_is_refused_not_killed(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("making a memory cgroup needs root")
-    cg = _child_cgroup()
+    cg = memory_cgroup("infinity-floor")
     if cg is None:
         pytest.skip("no writable memory cgroup here")
     try:

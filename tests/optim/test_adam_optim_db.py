@@ -9,6 +9,8 @@ import copy
 import pytest
 import torch
 
+from test_adam_torch_options import Net  # the same small model as the hand-written cases
+
 import infinity
 from infinity.engine.faults import UsageError
 from infinity.optim import CPUAdamW
@@ -60,17 +62,6 @@ def test_cpu_adamw_on_torchs_inputs(desc, kw):
         opt.step()
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=desc)
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return x.square().mean()
 
 
 @pytest.mark.parametrize("overlap", ["step", "backward"])
