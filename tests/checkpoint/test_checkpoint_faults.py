@@ -85,19 +85,20 @@ def _fresh(tmp_path, tag="dst", params="host", opt="host"):
     return m, o, infinity.full_state_dict(m)
 
 
-def _flip(path, offset):
+def flip_byte(path, offset, mask=0x40):
+    """Flips the bits ``mask`` of the byte at ``offset`` of the file ``path`` (a bad disk)."""
     with open(path, "r+b") as f:
         f.seek(offset)
         b = f.read(1)
         f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
+        f.write(bytes([b[0] ^ mask]))
 
 
 def test_a_flipped_byte_is_named_and_nothing_half_loaded_is_served(tmp_path):
     path = _saved(tmp_path)
     m = json.loads((path / "manifest.json").read_text())
     name, rec = sorted(m["tensors"].items(), key=lambda kv: (kv[1]["file"], kv[1]["offset"]))[5]
-    _flip(path / rec["file"], rec["offset"] + 3)
+    flip_byte(path / rec["file"], rec["offset"] + 3)
     with pytest.raises(infinity.CorruptCheckpointError, match=f"{name}.*offset {rec['offset']}"):
         infinity.verify_checkpoint(path)
     model, opt, _ = _fresh(tmp_path)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from test_checkpoint_faults import flip_byte
 
 from infinity.checkpoint import safetensors_io as sio
 from infinity.checkpoint.chunk_sums import chunk_sums
@@ -46,18 +47,10 @@ def test_ranges_across_chunk_boundaries_equal_the_tensor(shard):
     assert torch.equal(_read(path, recs["small"], 10, 20), small[10:20])  # no chunks: the whole tensor, checked
 
 
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def test_a_flipped_byte_in_a_chunk_read_is_named_and_one_outside_is_not_read(shard):
     path, recs, t, _ = shard
     rec = recs["t"]
-    _flip(path, rec["offset"] + 2 * 4096 + 17)  # in chunk 2
+    flip_byte(path, rec["offset"] + 2 * 4096 + 17, 0x01)  # in chunk 2
     assert torch.equal(_read(path, rec, 0, 1024), t[:1024])  # chunk 0 only: not its concern
     with pytest.raises(sio.CorruptCheckpointError, match=r"tensor 't', chunk 2 at offset \d+ \(4096 bytes\)"):
         _read(path, rec, 2000, 2100)  # elements 2000-2100: bytes 8000-8400, chunks 1 and 2
@@ -85,10 +78,10 @@ def test_a_whole_read_checks_every_chunk_and_the_manifest_whole_sum(shard):
     path, recs, t, _ = shard
     rec = dict(recs["t"])
     assert rec["crc32c"] == crc32c(t.data_ptr(), 40_000)
-    _flip(path, rec["offset"] + 9 * 4096 + 1)  # the last, short chunk
+    flip_byte(path, rec["offset"] + 9 * 4096 + 1, 0x01)  # the last, short chunk
     with pytest.raises(sio.CorruptCheckpointError, match=r"chunk 9 at offset"):
         _read(path, rec, 0, 10_000)
-    _flip(path, rec["offset"] + 9 * 4096 + 1)  # back
+    flip_byte(path, rec["offset"] + 9 * 4096 + 1, 0x01)  # back
     assert torch.equal(_read(path, rec, 0, 10_000), t)
     bad = dict(rec, crc32c=rec["crc32c"] ^ 1)  # a manifest whose whole sum disagrees with its chunks
     with pytest.raises(sio.CorruptCheckpointError, match="CRC32C"):

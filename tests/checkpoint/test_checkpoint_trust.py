@@ -16,6 +16,7 @@ import threading
 import pytest
 import torch
 from test_checkpoint import data, make, train
+from test_checkpoint_faults import flip_byte
 
 import infinity
 from infinity.checkpoint import consolidate
@@ -258,18 +259,10 @@ def test_a_malformed_field_is_a_corrupt_checkpoint_error_naming_it(saved, tmp_pa
         assert "manifest.json" in str(e.value) and "SECRET-VALUE" not in str(e.value), (name, e.value)
 
 
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
-
-
 def test_a_crc_mismatch_names_the_place_not_the_bytes_read(saved, tmp_path):
     m = _manifest(saved)
     name, rec = _first(m)
-    _flip(saved / rec["file"], rec["offset"] + 1)
+    flip_byte(saved / rec["file"], rec["offset"] + 1)
     for reader in (_consolidate, _verify):
         with pytest.raises(infinity.CorruptCheckpointError, match=f"{name}.*offset {rec['offset']}") as e:
             reader(saved, tmp_path)
