@@ -166,10 +166,9 @@ def _freeze_left_out(model: nn.Module, group_of: Dict[int, Optional[int]]) -> No
     """Trainable parameters no group lists stay as they are, as under torch:
     mapped to None (frozen), with a warning naming them (an older infinity
     trained them in a default group)."""
-    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in group_of:
-            group_of[id(p)] = None
+    left = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    group_of.update({id(p): None for _, p in left})
+    left = [n for n, _ in left]
     if left:
         shown = ", ".join(repr(n) for n in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
         warnings.warn(f"infinity.initialize: {len(left)} parameter(s) that require grad are in none of "

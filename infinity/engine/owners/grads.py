@@ -367,8 +367,8 @@ class Gradients:
         """``zero_grad(set_to_none)``: the window's gradients are forgotten;
         with ``set_to_none`` torch's ``.grad`` of every parameter is None
         again, else the slots that had one hold zeros from now on."""
-        for u in self.units:
-            if set_to_none:
+        if set_to_none:
+            for u in self.units:
                 u.grads.had = [False] * len(u.grads.had)
 
     def any_kept(self) -> bool:
