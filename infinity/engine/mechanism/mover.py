@@ -325,6 +325,7 @@ class CpuMover:
     """Copies between RAM regions on worker threads (device="cpu")."""
 
     is_cuda = False
+    batches_grads = False  # a gradient's copy is a memcpy here: staging would add one (grad_buckets.py)
 
     def __init__(self) -> None:
         self._h2d = _executor("infinity-h2d")
@@ -375,6 +376,7 @@ class CudaMover:
     """Copies between pinned host memory and a CUDA device on dedicated streams."""
 
     is_cuda = True
+    batches_grads = True  # See [Note: gradients leave the device in buckets] in grad_buckets.py
 
     def __init__(self, device: torch.device) -> None:
         index = torch.cuda.current_device() if device.index is None else device.index
