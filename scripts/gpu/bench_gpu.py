@@ -168,12 +168,15 @@ def run_rounds(rows: list, data: list, args, deadline: float) -> dict:
     return {"before": c0, "after": c1}
 
 
-def kernel_busy(prof) -> float:
-    """Seconds of the union of the profile's device kernels (memcpy/memset left out)."""
+def kernel_busy(prof):
+    """Seconds of the union of the profile's device kernels (memcpy/memset
+    left out); None when the profile holds no kernel (CUPTI not working)."""
     spans = []
     for e in prof.events():
         if str(getattr(e, "device_type", "")).endswith("CUDA") and not e.name.startswith(("Memcpy", "Memset")):
             spans.append((e.time_range.start, e.time_range.end))
+    if not spans:
+        return None
     busy, end = 0.0, -math.inf
     for a, b in sorted(spans):
         if b > end:
@@ -194,7 +197,8 @@ def idle_fractions(rows: list, data: list, args) -> dict:
             continue
         with profile(activities=acts) as prof:
             wall = row.step(*data[0])["wall"]
-        out[row.name] = max(0.0, 1.0 - kernel_busy(prof) / wall) if cuda else None
+        busy = kernel_busy(prof) if cuda else None
+        out[row.name] = max(0.0, 1.0 - busy / wall) if busy is not None else None
         if args.profile and row.name == "inf-opt":
             save_trace(prof, args.profile)
     return out

@@ -129,8 +129,7 @@ def check_host(ctx: Ctx, name: str, need: int) -> None:
 def pinned_now() -> int:
     """Bytes torch's caching host allocator holds now (CUDA; 0 elsewhere)."""
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
-        return int(torch.cuda.host_memory_stats().get("allocated_bytes.all.current",
-                                                      torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)))
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     return 0
 
 
