@@ -49,7 +49,8 @@ def row_figures(row, counters: dict, idle: dict, probes: dict, ctx, peak) -> dic
     n, k = ctx.n_params, len(row.times)
     step = _median([t["wall"] for t in row.times])
     f = dict.fromkeys(FIELDS)
-    f.update(steps=k, step_s=step, pinned_bytes=row.pinned_bytes, gpu_idle_frac=idle.get(row.name), error=row.error)
+    f.update(steps=k, step_s=step, pinned_bytes=row.pinned_bytes, gpu_idle_frac=idle.get(row.name), error=row.error,
+             build_s=row.build_s, resident_device_bytes=row.resident_bytes)
     if step:
         f["tokens_per_s"] = ctx.shape.batch * ctx.shape.seq / step
         f["tflops"] = ctx.shape.flops_per_step(n) / step / 1e12

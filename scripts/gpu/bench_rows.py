@@ -34,7 +34,9 @@ from infinity.cli.estimate import estimate
 from infinity.cli.perf import optimizer_time
 from infinity.models import GPT, GPTConfig
 
-ROWS = ("torch", "inf-opt", "inf-all", "inf-nvme", "torchao", "fsdp2")
+# In the order they are built: when building takes too long (first touch of
+# tens of GB of host memory), the ones left out are the least needed.
+ROWS = ("torch", "inf-opt", "inf-all", "torchao", "fsdp2", "inf-nvme")
 LR, WD = 1e-4, 0.1
 
 
@@ -100,6 +102,7 @@ class Row:
     times: list = dataclasses.field(default_factory=list)
     step_extra: list = dataclasses.field(default_factory=list)  # device bytes above resident, per step
     error: str = ""
+    build_s: float = 0.0
 
 
 def now() -> float:
