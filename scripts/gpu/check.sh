@@ -23,8 +23,10 @@
 #                 matches exact data_ptr()s, so only each unit's first slot)
 # The caps add up to the default --budget of 420 s: with the machine's start
 # (1-2 minutes) the run leaves room for a targeted rerun (--only) inside the
-# slot. Call the device tool with timeout_s = budget + 60. --plan prints this
-# plan and exits (1 when the caps exceed the budget).
+# slot. --plan prints this plan and exits (1 when the caps exceed the budget).
+# On the device tool: run(command="bash scripts/gpu/check.sh", timeout_s=480,
+# carry=[".whl"]) (.whl only after scripts/gpu/carry_wheels.sh); a rerun:
+# command="bash scripts/gpu/check.sh --only bench" while the machine is warm.
 #
 # Results: every stage writes its log and figures (JSON) into $WORK; after
 # every stage $OUT/gpu_check.tgz (all of $WORK) and $OUT/summary.txt are
@@ -81,6 +83,7 @@ if [ "$plan" = 1 ]; then
   exit $?
 fi
 
+t_start=$SECONDS  # the budget counts from here: the wheels' install is inside it
 export OUT="${OUT:-$root/bench-results}" WORK="${WORK:-/tmp/gpu-check-work}" PY="${PYTHON:-python3}"
 export BUILD_DIR="${BUILD_DIR:-$root/build/gpu-native}"
 export ROOT="$root" DRY="$dry" PIP_INSTALL="$pip_install" PYTHONUNBUFFERED=1
@@ -114,7 +117,6 @@ export -f note
 # shellcheck source=scripts/gpu/stages.sh
 source "$root/scripts/gpu/stages.sh"
 
-t_start=$SECONDS
 failed=0
 : > "$WORK/summary.txt"
 pack() {  # the results into $OUT: the tarball (rewritten whole), the summary, the profile
@@ -179,6 +181,10 @@ done
 
 echo "total $(( SECONDS - t_start )) s of the ${budget} s budget" >> "$WORK/summary.txt"
 pack
+# The bench's table again, last: only the end of the output is sure to come back.
+for f in "$WORK"/stage*_bench.log; do
+  [ -f "$f" ] && { echo "=== bench (end of $(basename "$f")) ==="; grep -v "^USDT" "$f" | tail -n 30; }
+done
 echo "=== summary ($OUT/summary.txt; logs and figures in $OUT/gpu_check.tgz) ==="
 cat "$WORK/summary.txt"
 exit $failed

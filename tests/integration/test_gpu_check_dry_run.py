@@ -47,7 +47,7 @@ def results(tmp_path, proc, stages):
 
 
 def test_plan_fits_the_budget_and_only_names_a_stage(tmp_path):
-    proc = check(tmp_path, "--plan", timeout=30)
+    proc = check(tmp_path, "--dry-run", "--plan", timeout=30)  # the GPU run's plan, also from a dry run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"^(\w+)\s+(\d+)\s+(\d+)$", proc.stdout, re.M)
     assert [r[0] for r in rows] == STAGES
