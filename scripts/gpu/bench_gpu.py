@@ -35,7 +35,7 @@ import argparse
 import gc
 import json
 import math
-import statistics
+import os
 import sys
 import tempfile
 import time
@@ -47,6 +47,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
 import infinity  # noqa: E402
+from infinity.engine.plan.limits import optimizer_threads  # noqa: E402
 from bench_rows import (ROWS, Ctx, Shape, Skip, adamw_probe, build_row, copy_probe, mem_available,  # noqa: E402
                         now)
 from bench_report import check_report, print_phase, summarize_phase  # noqa: E402
@@ -260,9 +261,11 @@ def save(report: dict, path) -> None:
 
 def probes_of(args) -> dict:
     t0 = now()
+    # The AdamW probe at the engine's own thread budget ([Note: the optimizer's thread budget]).
+    threads = optimizer_threads(None, infinity.system.native.default_num_threads(), args.device.type == "cuda",
+                                env_set="INFINITY_NUM_THREADS" in os.environ)
     probes = {"copy": copy_probe(args.copy_mib << 20, args.device),
-              "adamw": adamw_probe(args.adam_mparams * 10**6, infinity.system.native.default_num_threads()
-                                   if infinity.system.native.available() else None)}
+              "adamw": adamw_probe(args.adam_mparams * 10**6, threads)}
     c, a = probes["copy"], probes["adamw"]
     print(f"probes ({now() - t0:.1f} s): copies {'pinned' if c['pinned'] else 'NOT pinned'} H2D "
           f"{c['h2d_GBps']:.1f} GB/s, D2H {c['d2h_GBps']:.1f} GB/s, both at once {c['duplex_GBps_each']:.1f} GB/s "
