@@ -1,0 +1,115 @@
+"""``infinity estimate RUN --time --profile FILE``: the predicted step time of
+the run, and of the same run under the other placements and overlap modes,
+from the step model (infinity/engine/plan/step_time.py) and a hardware
+profile (``infinity doctor --profile``, or a shipped one by name)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..config.runtime import Config, format_bytes
+from ..engine.plan.costs import count_pass
+from ..engine.plan.estimator import compute_device, estimate_peaks, placed
+from ..engine.plan.profile import Profile, load_profile, shipped_profiles
+from ..engine.plan.step_time import StepPrediction, predict_step
+from .common import UsageError
+
+__all__ = ["predict", "variants", "render_time", "run_time"]
+
+PLACEMENTS = (("none", "host"), ("host", "host"), ("host", "nvme"), ("nvme", "nvme"))
+OVERLAPS = ("step", "backward", "delayed")
+
+
+def predict(model, config: Config, forward, profile: Profile, world: int = 1, costs=None) -> StepPrediction:
+    """The predicted step of ``model`` (meta) under ``config`` on ``profile``'s machine."""
+    return predict_step(model, config, forward, profile, placed(model, config, world), costs)
+
+
+def variants(config: Config) -> List[Config]:
+    """The run's config under each placement and overlap mode the engine takes
+    (delayed needs the optimizer in host memory), the run's own first."""
+    out = [config]
+    for params, opt in PLACEMENTS:
+        for ov in OVERLAPS:
+            if ov == "delayed" and opt != "host":
+                continue
+            c = dataclasses.replace(config, offload_params=params, offload_optimizer=opt, overlap=ov,
+                                    device_memory=None if params == "none" else config.device_memory)
+            if (params, opt, ov) != (config.offload_params, config.offload_optimizer, config.overlap):
+                out.append(c)
+    return out
+
+
+def _fits(model, cfg: Config, forward, world: int, lazy: bool, limits) -> Tuple[bool, str]:
+    ram, disk, gpu = limits
+    try:
+        p = estimate_peaks(model, cfg, forward, world=world, lazy=lazy)
+    except ValueError as e:
+        return False, str(e)
+    if p["rss"]["peak"] > ram:
+        return False, f"RSS {format_bytes(p['rss']['peak'])} > {format_bytes(ram)}"
+    if p["nvme"]["peak"] > disk:
+        return False, f"swap {format_bytes(p['nvme']['peak'])} > {format_bytes(disk)} free"
+    if gpu is not None and p["device"]["peak"] + p["device"]["activations"] > gpu:
+        return False, f"device {format_bytes(p['device']['peak'])} > {format_bytes(gpu)} free"
+    return True, ""
+
+
+def _limits(config: Config):
+    from ..system import sysinfo
+    from .doctor_checks import nearest_existing
+    ram = int(0.8 * sysinfo.available_ram())
+    disk = sum(shutil.disk_usage(nearest_existing(p)).free for p in config.swap_paths)
+    gpu = torch.cuda.mem_get_info()[0] if compute_device(config).type == "cuda" and torch.cuda.is_available() else None
+    return ram, disk, gpu
+
+
+def _label(c: Config) -> str:
+    return f"params={c.offload_params:4} opt={c.offload_optimizer:4} overlap={c.overlap:8}"
+
+
+def render_time(rows) -> str:
+    """The table of (config, prediction, fits, why) rows; the first is the run's own."""
+    lines = [f"{'PLACEMENT':44}{'STEP s':>9}  {'BOUND':11}{'FITS':5} EXPOSED (s)"]
+    for c, pr, ok, why in rows:
+        exp = ", ".join(f"{k} {v:.3f}" for k, v in sorted(pr.exposed.items(), key=lambda kv: -kv[1]) if v > 5e-4)
+        lines.append(f"{_label(c):44}{pr.seconds:9.3f}  {pr.bound:11}{'yes' if ok else 'no':5} {exp}"
+                     + ("" if ok else f"  ({why})"))
+    fit = [(pr.seconds, c) for c, pr, ok, _ in rows if ok]
+    if fit:
+        best_s, best = min(fit, key=lambda x: x[0])
+        own = rows[0][1].seconds
+        lines.append(f"\nfastest placement that fits: {_label(best).strip()} at {best_s:.3f} s a step"
+                     + (f" ({100 * (1 - best_s / own):.0f}% below the run's {own:.3f} s)" if best_s < own else
+                        " (the run's own)"))
+    else:
+        lines.append("\nno placement fits this machine's memory and disk")
+    return "\n".join(lines)
+
+
+def run_time(model, config: Config, forward, world: int, lazy: bool, profile_path: Optional[str]) -> str:
+    """The ``--time`` section of ``infinity estimate``."""
+    if not profile_path:
+        raise UsageError("--time needs --profile FILE: measure one with `infinity doctor --profile OUT.json`, "
+                         f"or name a shipped one: {shipped_profiles()}")
+    try:
+        profile = load_profile(profile_path)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if world > 1:
+        raise UsageError(f"--time with --world={world}: the step model does not cover ZeRO collectives yet")
+    modes_dtype = config.torch_dtype
+    units = placed(model, config, world)[0]
+    costs = count_pass(model, forward, {u.index: u.modules for u in units[1:]}, modes_dtype)
+    limits = _limits(config)
+    rows = []
+    for c in variants(config):
+        ok, why = _fits(model, c, forward, world, lazy, limits)
+        rows.append((c, predict(model, c, forward, profile, world, costs), ok, why))
+    head = (f"\npredicted step time on {profile.name} ({profile.source}); one micro-batch, steady state "
+            "(docs/cli.md: the model and its measured error)")
+    return head + "\n" + render_time(rows)
