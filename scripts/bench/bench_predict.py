@@ -7,8 +7,11 @@ sizes, checkpointing) a child process trains the built-in GPT on the CPU
 device for warm-up + ``--steps`` steps and reports the median step (forward,
 backward, step(), zero_grad(), each timed to its end); the parent predicts
 the same step from the meta model and the profile, never from the
-measurements. The profile is measured first (``infinity doctor --profile``'s
-code) unless ``--profile FILE`` is given; nothing is fitted to the rows.
+measurements. Unless ``--profile FILE`` is given, a fresh profile is measured
+(``infinity doctor --profile``'s code, in the row's dtype) just before each
+row: on a machine shared with other jobs its speed drifts by tens of percent
+within minutes, and a profile measured then is the machine the row runs on.
+Nothing is fitted to the rows.
 
 Prints one row per configuration: predicted and measured seconds, the error
 (predicted / measured - 1), the predicted bound, and the median absolute
@@ -35,7 +38,7 @@ from _common import run_json_child, write_json  # noqa: E402
 SWAP = str(Path(tempfile.gettempdir()) / "infinity-bench-predict")
 BASE = dict(device="cpu", dtype="fp32", offload_params="host", offload_optimizer="host", overlap="step",
             prefetch_depth=2, swap_paths=[SWAP])
-MODEL = dict(n_layer=6, n_embd=384, n_head=6, vocab_size=512, block_size=128)
+MODEL = dict(n_layer=4, n_embd=256, n_head=4, vocab_size=512, block_size=64)
 
 # (label, config changes, model changes, micro-batch); "min" device memory: the budget's minimum.
 ROWS = [
@@ -118,17 +121,16 @@ def main() -> int:
         print(json.dumps(measure_row(a.child, a.steps)))
         return 0
     from infinity.engine.plan.profile import load_profile
+    from infinity.cli.profile_measure import measure_profile
     Path(SWAP).mkdir(parents=True, exist_ok=True)
-    if a.profile:
-        profile = load_profile(a.profile)
-    else:
-        from infinity.cli.profile_measure import measure_profile
-        profile = measure_profile(torch.device("cpu"), "bf16", [SWAP])  # bf16 and fp32 GEMMs
-        print(f"profile measured in {profile.extra['seconds_to_measure']} s")
+    profile = load_profile(a.profile) if a.profile else None
     rows = [int(r) for r in a.rows.split(",")] if a.rows else range(len(ROWS))
     out = []
-    print(f"{'#':>2} {'configuration':26}{'predicted':>10}{'measured':>10}{'error':>8}  bound      h2d MB pred/meas")
+    print(f"{'#':>2} {'configuration':26}{'predicted':>10}{'measured':>10}{'error':>8}  bound      h2d MB pred/meas"
+          "   profile: GEMM@512 GFLOP/s, op us, measured in s")
     for i in rows:
+        if a.profile is None:
+            profile = measure_profile(torch.device("cpu"), row_config(i)[0].dtype, [SWAP], disk_bytes=128 << 20)
         pr = predict_row(i, profile)
         got, proc = run_json_child(__file__, ["--child", str(i), "--steps", str(a.steps)])
         if got is None:
@@ -137,15 +139,18 @@ def main() -> int:
         err = pr.seconds / got["seconds"] - 1
         out.append({"row": i, "label": ROWS[i][0], "predicted": pr.seconds, "measured": got["seconds"],
                     "steps": got["all"], "error": err, "bound": pr.bound, "exposed": pr.exposed,
-                    "bytes_predicted": pr.bytes, "bytes_measured": got["bytes"]})
+                    "bytes_predicted": pr.bytes, "bytes_measured": got["bytes"],
+                    "profile": dataclasses.asdict(profile)})
+        g512 = profile.gemm_rate(row_config(i)[0].dtype, 2 * 512 ** 3) / 1e9
         print(f"{i:2} {ROWS[i][0]:26}{pr.seconds:10.3f}{got['seconds']:10.3f}{100 * err:7.1f}%  {pr.bound:10} "
-              f"{pr.bytes['h2d'] / 1e6:7.1f}/{got['bytes'].get('h2d', 0) / 1e6:.1f}", flush=True)
+              f"{pr.bytes['h2d'] / 1e6:7.1f}/{got['bytes'].get('h2d', 0) / 1e6:<7.1f}   {g512:.1f}, "
+              f"{profile.op_overhead_s * 1e6:.0f}, {profile.extra.get('seconds_to_measure', 0)}", flush=True)
     if out:
         errs = [abs(r["error"]) for r in out]
         print(f"\nmedian |error| {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%, "
               f"within 15%: {sum(e <= 0.15 for e in errs)}/{len(errs)}")
     if a.json:
-        write_json(a.json, {"profile": dataclasses.asdict(profile), "rows": out})
+        write_json(a.json, {"rows": out})
     return 0
 
 

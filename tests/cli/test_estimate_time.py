@@ -171,3 +171,13 @@ def test_gpu_profile_predicts_a_cuda_config(tmp_path):
     h200, rtx = load_profile("h200-pcie5-nvme"), load_profile("rtx4090-pcie4-nvme")
     a, b = predict(m, cfg, fwd, h200), predict(m, cfg, fwd, rtx)
     assert 0 < a.seconds < b.seconds
+
+
+@pytest.mark.slow
+def test_doctor_writes_a_profile_that_loads(tmp_path):
+    from infinity.cli import main
+    out = tmp_path / "prof.json"
+    assert main(["doctor", "--profile", str(out), "--dtype", "fp32", "--swap-path", str(tmp_path / "swap")]) == 0
+    prof = load_profile(str(out))
+    assert prof.device == "cpu" and prof.extra["seconds_to_measure"] < 60
+    assert {"compute<h2d", "h2d<compute", "compute<optimizer"} <= set(prof.slow)
