@@ -44,12 +44,17 @@ def variants(config: Config) -> List[Config]:
     return out
 
 
-def _fits(model, cfg: Config, forward, world: int, lazy: bool, limits) -> Tuple[bool, str]:
+def _fits(model, cfg: Config, world: int, lazy: bool, limits, act: int) -> Tuple[bool, str]:
+    """Whether ``cfg`` fits; ``act``: the activations' peak (bytes), the same
+    for every placement, measured once (a meta forward of a large model takes seconds)."""
     ram, disk, gpu = limits
     try:
-        p = estimate_peaks(model, cfg, forward, world=world, lazy=lazy)
+        p = estimate_peaks(model, cfg, None, world=world, lazy=lazy)
     except ValueError as e:
         return False, str(e)
+    on_cpu = compute_device(cfg).type == "cpu"
+    p["rss"]["peak"] += act if on_cpu else 0
+    p["device"]["activations"] = 0 if on_cpu else act
     if p["rss"]["peak"] > ram:
         return False, f"RSS {format_bytes(p['rss']['peak'])} > {format_bytes(ram)}"
     if p["nvme"]["peak"] > disk:
@@ -106,9 +111,11 @@ def run_time(model, config: Config, forward, world: int, lazy: bool, profile_pat
     units = placed(model, config, world)[0]
     costs = count_pass(model, forward, {u.index: u.modules for u in units[1:]}, modes_dtype)
     limits = _limits(config)
+    a = estimate_peaks(model, config, forward, world=world, lazy=lazy)["activations"]
+    act = a.get("peak_with_checkpointing" if a["checkpointing"] else "peak_without_checkpointing", 0)
     rows = []
     for c in variants(config):
-        ok, why = _fits(model, c, forward, world, lazy, limits)
+        ok, why = _fits(model, c, world, lazy, limits, act)
         rows.append((c, predict(model, c, forward, profile, world, costs), ok, why))
     head = (f"\npredicted step time on {profile.name} ({profile.source}); one micro-batch, steady state "
             "(docs/cli.md: the model and its measured error)")

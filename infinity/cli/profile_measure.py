@@ -21,7 +21,6 @@ minute. Each figure is measured the way the engine uses the hardware:
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -45,17 +44,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], None], device: torch.device, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs after one warm-up."""
+def _timed(fn: Callable[[], None], device: torch.device, reps: int, window: float = 0.25) -> float:
+    """Mean seconds of ``fn`` over at least ``reps`` runs and ``window`` seconds, after one warm-up.
+
+    The mean over a window, not the median of short runs: on a machine shared
+    with other jobs a short run is either undisturbed or descheduled, while a
+    training step of seconds meets the average share of the cores."""
     fn()
-    ts = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
+    _sync(device)
+    n, t0 = 0, time.perf_counter()
+    while n < reps or time.perf_counter() - t0 < window:
         fn()
-        _sync(device)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        n += 1
+    _sync(device)
+    return (time.perf_counter() - t0) / n
 
 
 def gemm_rates(device: torch.device, dtype: torch.dtype) -> List[List[float]]:
@@ -64,7 +66,7 @@ def gemm_rates(device: torch.device, dtype: torch.dtype) -> List[List[float]]:
     for n in GEMM_SIZES:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        t = _timed(lambda: torch.mm(a, b), device, 3 if n >= 1024 else 7)
+        t = _timed(lambda: torch.mm(a, b), device, 3 if n >= 1024 else 7, window=0.4)
         out.append([n, 2.0 * n ** 3 / t])
         if t > 0.3:
             break
@@ -100,7 +102,7 @@ def op_overhead(device: torch.device, dtype: torch.dtype) -> float:
 
     def step():
         model(x).backward()
-    return _timed(step, device, 20) / ops
+    return _timed(step, device, 20, window=1.5) / ops
 
 
 def copy_rates(device: torch.device, nbytes: int = 64 << 20) -> Dict[str, float]:
