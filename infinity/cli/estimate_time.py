@@ -117,6 +117,27 @@ def run_time(model, config: Config, forward, world: int, lazy: bool, profile_pat
     for c in variants(config):
         ok, why = _fits(model, c, world, lazy, limits, act)
         rows.append((c, predict(model, c, forward, profile, world, costs), ok, why))
+    lines = what_if(model, config, forward, profile, costs)
     head = (f"\npredicted step time on {profile.name} ({profile.source}); one micro-batch, steady state "
             "(docs/cli.md: the model and its measured error)")
-    return head + "\n" + render_time(rows)
+    return head + "\n" + render_time(rows) + "".join("\n" + x for x in lines)
+
+
+def what_if(model, config: Config, forward, profile: Profile, costs) -> List[str]:
+    """What would change the run's own step by 5% or more: a second swap
+    path as fast as the first, a deeper prefetch, a faster copy link."""
+    base = predict(model, config, forward, profile, 1, costs).seconds
+    tries = [("a second swap path of the same speed", config,
+              dataclasses.replace(profile, disk_read_bw=2 * profile.disk_read_bw,
+                                  disk_write_bw=2 * profile.disk_write_bw)),
+             (f"prefetch_depth={config.prefetch_depth + 2}",
+              dataclasses.replace(config, prefetch_depth=config.prefetch_depth + 2), profile),
+             ("copies twice as fast", config,
+              dataclasses.replace(profile, h2d_bw=2 * profile.h2d_bw, d2h_bw=2 * profile.d2h_bw))]
+    out = []
+    for what, cfg, prof in tries:
+        t = predict(model, cfg, forward, prof, 1, costs).seconds
+        if abs(t - base) >= 0.05 * base:
+            out.append(f"{what} would {'cut' if t < base else 'lengthen'} the step {100 * abs(1 - t / base):.0f}% "
+                       f"({base:.3f} -> {t:.3f} s)")
+    return out

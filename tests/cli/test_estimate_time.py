@@ -181,3 +181,15 @@ def test_doctor_writes_a_profile_that_loads(tmp_path):
     prof = load_profile(str(out))
     assert prof.device == "cpu" and prof.extra["seconds_to_measure"] < 60
     assert {"compute<h2d", "h2d<compute", "compute<optimizer"} <= set(prof.slow)
+
+
+def test_what_if_names_the_second_swap_path(tmp_path):
+    from infinity.cli.estimate_time import what_if
+    from infinity.engine.plan.costs import count_pass
+    from infinity.engine.plan.estimator import placed
+    m, fwd = meta_model()
+    cfg = config(tmp_path, offload_optimizer="nvme")
+    costs = count_pass(m, fwd, {u.index: u.modules for u in placed(m, cfg)[0][1:]}, torch.float32)
+    lines = what_if(m, cfg, fwd, profile(disk_read_bw=1e6, disk_write_bw=1e6), costs)
+    assert any(x.startswith("a second swap path of the same speed would cut the step") for x in lines)
+    assert what_if(m, cfg, fwd, profile(disk_read_bw=1e12, disk_write_bw=1e12), costs) == []
