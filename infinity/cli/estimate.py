@@ -28,6 +28,9 @@ def add_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="run file (.toml/.json) or DeepSpeed JSON")
     p.add_argument("--world", type=int, default=1, help="data-parallel ranks (ZeRO shares; default 1)")
+    p.add_argument("--time", action="store_true", help="also predict the step time per placement and overlap mode")
+    p.add_argument("--profile", help="hardware profile for --time: a file from `infinity doctor --profile`, or "
+                   "a shipped one by name (h200-pcie5-nvme, rtx4090-pcie4-nvme)")
     p.set_defaults(run=run)
 
 
@@ -193,5 +196,8 @@ def run(args: argparse.Namespace) -> int:
     print(render(est))
     print(render_peaks(estimate_peaks(model, config, forward, world=args.world, lazy=lazy)))
     print(suggest(model, config, forward, args.world, lazy))
+    if args.time:
+        from .estimate_time import run_time
+        print(run_time(model, config, forward, args.world, lazy, args.profile))
     short = any(est[t]["budget"] is not None and est[t]["budget"] < est[t]["minimum"] for t in ("device", "host"))
     return 1 if short else 0
