@@ -26,8 +26,10 @@ import torch
 
 import infinity
 
+from ..api import engine_of
 from ..config.runtime import Config
 from ..config.schedules import Schedule
+from ..progress import model_flops_per_token, peak_tflops
 from .common import CLIError, UsageError
 from .data import Sampler, open_tokens
 from .launch import Ranks, agree, start
@@ -202,7 +204,9 @@ def _one_step(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss
 def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn, first: int, ranks: Ranks) -> int:
     d, ck = runf.data, runf.checkpoint
     metrics = Metrics(runf.log.metrics if ranks.lead else None, runf.log.every, runf.train.steps, first,
-                      d.micro_batch * ranks.world * d.seq_len * d.grad_accumulation, runf.log.progress and ranks.lead)
+                      d.micro_batch * ranks.world * d.seq_len * d.grad_accumulation, runf.log.progress and ranks.lead,
+                      model_flops_per_token(model), peak_tflops(runf.config.resolve_device(),
+                                                                engine_of(model).modes.dtype), ranks.world)
     step, recs, pressure, saved_at, unsaved = first, [], None, None, ""
     stopping = pressed = False  # agreed by every rank after each step
     try:
