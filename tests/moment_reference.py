@@ -2,8 +2,9 @@
 (native/src/adam_q8.inc), written apart from infinity's own code:
 
 - the update is the kernel's op sequence in torch ops that round as the
-  kernel does (a tensor divisor, where torch would multiply a Python-float
-  divisor's reciprocal; sqrt in double, rounded once: correctly rounded);
+  kernel does (addcmul_ is a fused multiply-add; a tensor divisor, where
+  torch would multiply by a Python-float divisor's reciprocal; sqrt in
+  double, rounded once: correctly rounded);
 - the 8-bit quantiser searches a sorted table of every code's value for the
   nearest, ties to the even code, not the kernel's bit arithmetic. Scales: the largest finite magnitude of each block of 256
   (0 below FLT_MIN).
@@ -87,7 +88,7 @@ def ref_update(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, adamw_m
         p.mul_(1.0 - lr * weight_decay)
     else:
         g = g.add(p, alpha=weight_decay)
-    m.lerp_(g, 1.0 - beta1)
+    m.addcmul_(torch.full_like(m, 1.0 - beta1), g - m)  # fma(1-b1, g-m, m); lerp_ differs for 1-b1 >= 0.5
     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     root = v.double().sqrt().float()
     denom = root / torch.full_like(root, math.sqrt(1.0 - beta2 ** step)) + eps

@@ -110,8 +110,9 @@ def encode(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, moment_dtype: str) -
     ``exp_avg_sq_scale``. New contiguous CPU tensors."""
     m = exp_avg.detach().to(device="cpu", dtype=torch.float32).contiguous()
     v = exp_avg_sq.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    if moment_dtype == "fp32":
-        return {"exp_avg": m.clone() if m is exp_avg else m, "exp_avg_sq": v.clone() if v is exp_avg_sq else v}
+    if moment_dtype == "fp32":  # never the caller's memory (nor one buffer for both)
+        return {"exp_avg": m.clone() if m.data_ptr() == exp_avg.data_ptr() else m,
+                "exp_avg_sq": v.clone() if v.data_ptr() == exp_avg_sq.data_ptr() else v}
     if moment_dtype == "bf16":
         return {"exp_avg": m.to(torch.bfloat16), "exp_avg_sq": v.to(torch.bfloat16)}
     qm, sm = quantize(m, signed=True)
