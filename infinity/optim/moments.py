@@ -4,9 +4,8 @@ The native kernel updates them in place (``inf_adam_step_moments``); this
 module holds the same encodings in torch ops, for what happens outside a step:
 making a state from fp32 moments (``load_state_dict``, a new state), reading it
 back as fp32 (``state_dict``), and the pure-torch fallback. The codes are
-exactly the kernel's, to the bit: see [Note: 8-bit moments] in
-native/src/adam_q8.inc for the format and [Note: bf16 moments] there for the
-rounding.
+exactly the kernel's, to the bit: the native notes "8-bit moments" (the
+format) and "bf16 moments" (the rounding) in native/src/adam_q8.inc say why.
 
 ``moment_dtype`` names: ``"fp32"`` (torch's), ``"bf16"``, ``"int8"``. An int8
 moment is a ``torch.uint8`` tensor of codes, shaped like its parameter, and an
