@@ -24,28 +24,46 @@ def tiny():
     return unequal_net(hidden=(16, 8, 24, 8))
 
 
-def run(overlap, clip, factors, steps=STEPS, accum=1, on_step=None, **kw):
-    """Trains unequal_net for ``steps`` optimizer steps; returns (losses,
-    full state dict, optimizer state dict, stats)."""
+def make(overlap, clip, accum=1, **kw):
     cfg = dict(device="cpu", dtype="fp32", offload_params="host", offload_optimizer="host", host_memory="64MiB",
                overlap=overlap, max_grad_norm=clip, grad_accumulation_steps=accum)
     cfg.update(kw)
-    model, opt = infinity.initialize(tiny(), infinity.Config(**cfg), lr=1e-2, weight_decay=0.1)
-    losses = []
+    return infinity.initialize(tiny(), infinity.Config(**cfg), lr=1e-2, weight_decay=0.1)
+
+
+def train(model, opt, factors, steps, accum=1, first=0) -> list:
+    """Optimizer steps ``first`` .. ``steps - 1`` (the data and the loss
+    multipliers are those of each step); returns the losses."""
+    losses, data = [], batches(steps * accum, b=1)
+    for i in range(first * accum, steps * accum):
+        x, y = data[i]
+        loss = model(x, y) * factors[i // accum] / accum
+        opt.scale_loss(loss).backward()
+        losses.append(loss.item())
+        if (i + 1) % accum == 0:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def finish(model, opt, losses) -> tuple:
+    """(losses, full state dict, optimizer state dict, stats); closes the engine."""
     try:
-        for i, (x, y) in enumerate(batches(steps * accum, b=1)):
-            loss = model(x, y) * factors[i // accum] / accum
-            opt.scale_loss(loss).backward()
-            losses.append(loss.item())
-            if (i + 1) % accum == 0:
-                opt.step()
-                opt.zero_grad()
-                if on_step is not None:
-                    on_step(model, opt, i // accum)
         sd = {k: v.clone() for k, v in infinity.full_state_dict(model).items()}
         return losses, sd, opt.state_dict(), infinity.stats(model)
     finally:
         infinity.close(model)
+
+
+def run(overlap, clip, factors, steps=STEPS, accum=1, **kw):
+    """Trains tiny() for ``steps`` optimizer steps; returns :func:`finish`'s tuple."""
+    model, opt = make(overlap, clip, accum, **kw)
+    try:
+        losses = train(model, opt, factors, steps, accum)
+    except BaseException:
+        infinity.close(model)
+        raise
+    return finish(model, opt, losses)
 
 
 def assert_same_bits(a, b):
@@ -138,3 +156,23 @@ def test_unavailable_combinations_say_why(tmp_path):
     s = got[3]["speculation"]
     assert s["steps"] == 0 and "offload_optimizer='nvme'" in s["off"], s
     assert run("backward", None, factors, steps=1)[3]["speculation"]["off"] is None  # not needed, not off
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_checkpoint_across_a_replayed_step(tmp_path, blocking):
+    """A checkpoint saved after the replayed step 2 (blocking, or in the
+    background while step 3's updates run) and resumed in a new engine
+    ends where the uninterrupted overlap="step" run does."""
+    clip, factors = CLIPS["some"]
+    want = run("step", clip, factors)
+    model, opt = make("backward", clip)
+    losses = train(model, opt, factors, 3)
+    assert infinity.stats(model)["speculation"]["replayed"] == 1
+    path = infinity.save_checkpoint(str(tmp_path), model, opt, blocking=blocking)
+    losses += train(model, opt, factors, 5, first=3)  # speculating while a background save reads
+    if not blocking:
+        path = path.wait()
+    assert_same_bits(finish(model, opt, losses), run("step", clip, factors, steps=5))
+    model, opt = make("backward", clip)
+    infinity.load_checkpoint(path, model, opt)
+    assert_same_bits(finish(model, opt, losses[:3] + train(model, opt, factors, STEPS, first=3)), want)
