@@ -10,9 +10,10 @@ turn (so drift in machine speed hits all alike):
   always        overlap="backward", clipping on every step (the back-off)
 
 The thresholds come from the gradient norms measured in the warm-up steps
-(100x above the largest, 100x below the smallest). Reported: median step
-times, the ratios the targets are about (never / backward <= 1.03, always /
-step <= 1.05), the optimizer's share of the step and the speculation counters.
+(100x above the largest, 100x below the smallest). Reported: mean step
+times (a replay is one step in several, which a median leaves out), the
+ratios the targets are about (never / backward <= 1.03, always / step <=
+1.05), the optimizer's share of the step and the speculation counters.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ def run(args, make_model, data, base_cfg: dict) -> dict:
         for case in CASES:
             times[case].append(one_step(*engines[case], *data[i % len(data)]))
     s1 = {c: infinity.stats(m) for c, (m, _) in engines.items()}
-    med = {c: statistics.median(t) for c, t in times.items()}
+    # Means: a replay is one step in several (the back-off), which a median leaves out.
+    med = {c: statistics.fmean(t) for c, t in times.items()}
     opt_s = (s1["step"]["optimizer_seconds"] - s0["step"]["optimizer_seconds"]) / args.steps
     res = {"norms": norms, "thresholds": {"never": never, "always": always}, "step_s": med,
+           "step_s_median": {c: statistics.median(t) for c, t in times.items()},
            "optimizer_s_per_step": opt_s, "optimizer_share_of_step": opt_s / med["step"],
            "never_over_backward": med["never"] / med["backward"], "always_over_step": med["always"] / med["step"],
            "never_over_step": med["never"] / med["step"],
@@ -80,9 +83,9 @@ def report(res: dict) -> None:
     med = res["step_s"]
     print(f"gradient norms in warm-up {', '.join(f'{n:.3g}' for n in res['norms'])}; clip thresholds: never "
           f"{res['thresholds']['never']:.3g}, always {res['thresholds']['always']:.3g}")
-    print(f"{'case':10s} {'step (median, s)':>17s}")
+    print(f"{'case':10s} {'step (mean, s)':>15s} {'(median, s)':>12s}")
     for c in CASES:
-        print(f"{c:10s} {med[c]:17.4f}")
+        print(f"{c:10s} {med[c]:15.4f} {res['step_s_median'][c]:12.4f}")
     print(f"optimizer {res['optimizer_s_per_step'] * 1e3:.1f} ms/step = {res['optimizer_share_of_step']:.0%} of "
           f"overlap='step''s step; hidden share: "
           + ", ".join(f"{c} {h:.2f}" for c, h in res["hidden"].items()))
@@ -90,7 +93,7 @@ def report(res: dict) -> None:
         print(f"speculation ({c}): {s['steps']} steps, {s['committed']} committed, {s['replayed']} replayed, "
               f"{s['waited']} waited, {s['units_without_room']} units without room, replays "
               f"{s['replay_seconds']:.3f} s")
-    print(f"never / backward = {res['never_over_backward']:.3f} (target <= 1.03: "
+    print(f"of means: never / backward = {res['never_over_backward']:.3f} (target <= 1.03: "
           f"{'PASS' if res['never_over_backward'] <= 1.03 else 'FAIL'}); always / step = "
           f"{res['always_over_step']:.3f} (target <= 1.05: {'PASS' if res['always_over_step'] <= 1.05 else 'FAIL'}); "
           f"never / step = {res['never_over_step']:.3f}")
