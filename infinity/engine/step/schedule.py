@@ -68,7 +68,7 @@ class StepSchedule:
         self.spec = speculation         # else updates during backward are speculative (speculate.py), if not None
         self._running: "OrderedDict[int, object]" = OrderedDict()  # unit index -> update in flight
         self._closing = False           # this backward ran last-window work
-        self._root_read = None          # host job reading the root's state ahead (NVMe)
+        self._root_read = None          # host job preparing the root's update (NVMe read, undo state saved)
         self._last_order: List[int] = []  # unit indices in the order the last step's updates were queued
         self._hyper = None              # the groups' hyper-parameters this step's early updates run with
         self._warned_hyper = False
@@ -377,6 +377,9 @@ class BackwardSchedule(StepSchedule):
         self._running[u.index] = p.mover.host_job(self._guarded(job, u))
         if p.modes.opt_nvme:
             self._read_ahead_next()
+        elif spec is not None and self._root_read is None and u.index and spec.reserve(p.units[0]):
+            # The root's update ends backward, on the step's critical path: its undo state is saved ahead.
+            self._root_read = p.mover.host_job(self._guarded(lambda: spec.save(p.units[0]), p.units[0]))
         return True
 
     def _bound_queue(self) -> None:

@@ -13,7 +13,9 @@ scale with fp16) and no gradient overflowed:
   plan/placement.py, in the host budget's capacity): the fp32 master, both
   moments, the trainable part of the host compute copy, and the slots' step
   counts. The buffer is taken on the autograd thread as the update is
-  queued, only if the pool has room then (``HostRoom.try_acquire``: nothing
+  queued (the root's with the first one: its update ends backward, on the
+  step's critical path, so its state is saved while backward runs), only if
+  the pool has room then (``HostRoom.try_acquire``: nothing
   is evicted for it); a unit that finds none waits for ``step()`` like
   before, and the run says so once (a warning, and ``stats()``).
 - *Validation.* ``step()`` takes the norm over every unit's gradients, in
@@ -94,7 +96,11 @@ class Speculation:
             self.scale = self.scaling.base_scale()
         if not self._now:
             return False
+        if u.index in self._undo:
+            return True  # taken ahead (the root's)
         p = self.p
+        if not u.place.trainable:
+            return False
         got = p.room.try_acquire(undo_bytes(u.place, p.modes), torch.uint8)
         if got is None:
             p.stats.spec_units_without_room += 1
@@ -108,8 +114,11 @@ class Speculation:
         return True
 
     def save(self, u) -> None:
-        """Copies ``u``'s state into its undo buffer (host thread, before its update)."""
+        """Copies ``u``'s state into its undo buffer (host thread, before its
+        update; once, if saved ahead)."""
         d, o = self._undo[u.index], u.opt
+        if d.steps is not None:
+            return
         d.master.copy_(o.master)
         d.exp_avg.copy_(o.exp_avg)
         d.exp_avg_sq.copy_(o.exp_avg_sq)
