@@ -26,10 +26,12 @@ scale with fp16) and no gradient overflowed:
   kernel calls of overlap="step" would have had the same inputs: the
   speculation is committed (the undo buffers go back to the pool).
 - *Replay.* Otherwise every speculatively updated unit gets its undo state
-  copied back (the same bytes as before its update: master, moments,
-  compute copy, step counts), and the step continues as overlap="step"'s
-  would from the same state: every unit updated with the true scale, or
-  none on an overflow. The kernel is deterministic for given inputs, so the
+  copied back (the same bytes as before its update: master, moments, step
+  counts; the compute copy only for a skipped step, since a replay writes
+  every element of it the speculative update wrote: the same slots got
+  gradients), and the step continues as overlap="step"'s would from the
+  same state: every unit updated with the true scale, or none on an
+  overflow. The kernel is deterministic for given inputs, so the
   result is overlap="step"'s bit for bit. Device copies are refreshed in
   either case (``Residency.invalidate``).
 - *Back-off.* A run that clips every step would pay a speculative update
@@ -157,7 +159,7 @@ class Speculation:
             self._release()
             return True
         t0 = time.perf_counter()
-        self._rollback()
+        self._rollback(compute=skip)
         if skip:
             st.spec_skipped += 1
         else:
@@ -175,7 +177,10 @@ class Speculation:
         self._now, self.scale = None, None
         self._release()
 
-    def _rollback(self) -> None:
+    def _rollback(self, compute: bool) -> None:
+        """Every speculated unit back to its state before its update;
+        ``compute``: its compute copy too (a replay writes every element the
+        speculative update wrote, so only a skipped step needs it)."""
         p = self.p
         for i, d in self._undo.items():
             u = p.units[i]
@@ -186,11 +191,12 @@ class Speculation:
             o.master.copy_(d.master)
             o.exp_avg.copy_(d.exp_avg)
             o.exp_avg_sq.copy_(d.exp_avg_sq)
-            comp = p.host_cache.open_for_update(u)
-            try:
-                comp[:d.compute.numel()].copy_(d.compute)
-            finally:
-                p.host_cache.close_update(u)
+            if compute:
+                comp = p.host_cache.open_for_update(u)
+                try:
+                    comp[:d.compute.numel()].copy_(d.compute)
+                finally:
+                    p.host_cache.close_update(u)
             for s, n in zip(u.layout.trainable_slots, d.steps):
                 s.step = n
             p.values_changed(u)
