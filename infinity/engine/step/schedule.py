@@ -377,7 +377,7 @@ class BackwardSchedule(StepSchedule):
         self._running[u.index] = p.mover.host_job(self._guarded(job, u))
         if p.modes.opt_nvme:
             self._read_ahead_next()
-        elif spec is not None and self._root_read is None and u.index and spec.reserve(p.units[0]):
+        elif spec is not None and len(self._running) == 1 and u.index and spec.reserve(p.units[0]):
             # The root's update ends backward, on the step's critical path: its undo state is saved ahead.
             self._root_read = p.mover.host_job(self._guarded(lambda: spec.save(p.units[0]), p.units[0]))
         return True

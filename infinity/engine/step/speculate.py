@@ -52,7 +52,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..plan.placement import undo_bytes
+from ..plan.placement import nbytes, undo_bytes
 
 __all__ = ["Speculation", "MAX_BACKOFF"]
 
@@ -111,7 +111,7 @@ class Speculation:
         raw, buf = got
         sn, tn = u.place.state_numel, u.place.trainable_numel
         f32 = raw[:12 * sn].view(torch.float32)
-        comp = raw[12 * sn:12 * sn + 4 * tn].view(p.modes.dtype)[:tn]
+        comp = raw[12 * sn:12 * sn + nbytes(tn, p.modes.dtype)].view(p.modes.dtype)
         self._undo[u.index] = _Undo(buf, f32[:sn], f32[sn:2 * sn], f32[2 * sn:], comp)
         return True
 
