@@ -218,9 +218,15 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     host itself waits) and ``device_stall_seconds`` (compute waiting for
     fetches, on CUDA timed on the device with events); ``optimizer_seconds`` (inside
     optimizer kernels) and ``optimizer_wait_seconds`` (of that, what step()
-    waited for); ``overlap`` (share of optimizer time hidden behind
+    waited for or ran itself); ``overlap`` (share of optimizer time hidden behind
     forward/backward); ``fetches``, ``prefetches``, ``evictions``, ``steps``,
     ``skipped_steps``, ``trace_invalidations``, ``units``; ``loss_scale``;
+    ``speculation`` (overlap="backward" with clipping or fp16: ``steps``
+    updated speculatively, of them ``committed``, ``replayed`` with the clip
+    coefficient and ``skipped`` on an overflow; ``waited`` (steps that
+    waited for ``step()`` after a replay), ``units_without_room`` (updates
+    that waited: no host room for their undo state), ``replay_seconds``, and
+    ``off``: why speculation is not available in this run, or None);
     ``pressure_events`` (what the engine gave back under memory pressure,
     and when), ``host_cache_cap`` (the host cache's cap now, or None) and
     ``optimizer_threads`` (the CPU AdamW's threads: [Note: the optimizer's
@@ -249,6 +255,10 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "evictions": s.evictions,
         "steps": s.steps,
         "skipped_steps": s.skipped_steps,
+        "speculation": {"steps": s.spec_steps, "committed": s.spec_committed, "replayed": s.spec_replayed,
+                        "skipped": s.spec_skipped, "waited": s.spec_waited,
+                        "units_without_room": s.spec_units_without_room, "replay_seconds": s.spec_replay_seconds,
+                        "off": s.spec_off or None},
         "trace_invalidations": s.trace_invalidations,
         "units": len(eng.units),
         "loss_scale": opt.loss_scale if opt is not None else 1.0,

@@ -17,13 +17,22 @@ class Stats:
     _step_start: Dict[str, int] = field(default_factory=dict)
     stall_seconds: float = 0.0         # compute waiting for data (host-side wait time)
     optimizer_seconds: float = 0.0     # time inside optimizer kernels, all units
-    optimizer_wait_seconds: float = 0.0  # time step() waited for optimizer work
+    optimizer_wait_seconds: float = 0.0  # time step() waited for optimizer work or ran it itself
     fetches: int = 0
     prefetches: int = 0
     evictions: int = 0
     steps: int = 0
     skipped_steps: int = 0
     trace_invalidations: int = 0
+    # Speculative updates ([Note: speculative updates] in step/speculate.py):
+    spec_steps: int = 0              # steps whose updates ran during backward before the check
+    spec_committed: int = 0          # of them, kept as they were
+    spec_replayed: int = 0           # rolled back and redone with the clip coefficient
+    spec_skipped: int = 0            # rolled back and skipped (a non-finite norm)
+    spec_waited: int = 0             # steps that waited for step() after a replay (the back-off)
+    spec_units_without_room: int = 0  # units that waited for step(): no host room for their undo state
+    spec_replay_seconds: float = 0.0  # rollbacks and redone updates
+    spec_off: str = ""               # why speculation is not available in this run ("" if it is, or not needed)
 
     def moved(self, link: str, nbytes: int) -> None:
         self.bytes_moved[link] = self.bytes_moved.get(link, 0) + nbytes

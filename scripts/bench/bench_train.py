@@ -387,9 +387,27 @@ def parse_args() -> argparse.Namespace:
                     help="skip the sweep of device budgets (it runs only with --offload host)")
     ap.add_argument("--profile", default=None, metavar="PATH",
                     help="write a torch.profiler trace of one offloaded step (gzipped JSON, under 16 MiB) to PATH")
+    ap.add_argument("--clip", action="store_true",
+                    help="instead: overlap='step' against 'backward' without clipping, with clipping never "
+                         "triggered and always triggered, interleaved (bench_clip.py)")
     ap.add_argument("--json", default="bench-results/bench_train.json",
                     help="where to write the JSON report (default %(default)s)")
     return ap.parse_args()
+
+
+def clip_main(args) -> int:
+    """``--clip``: see bench_clip.py (same model, batches and budgets as the main run)."""
+    import bench_clip
+    n = sum(p.numel() for p in make_model(args).parameters())
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device),
+             torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)) for _ in range(4)]
+    base = dict(device=args.device, dtype="fp32", device_memory=None, host_memory=n * 16 * 3,
+                offload_params=args.offload, offload_optimizer=args.offload, prefetch_depth=args.prefetch_depth,
+                swap_paths=args.swap_dir or ["./infinity-swap"], swap_checksum=not args.no_checksum)
+    res = bench_clip.run(args, make_model, data, base)
+    print(f"JSON: {write_json(args.json.replace('bench_train', 'bench_train_clip'), res)}")
+    return 0
 
 
 def main() -> int:
@@ -397,6 +415,8 @@ def main() -> int:
     args = parse_args()
     print(f"infinity {infinity.__version__}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"native {infinity.system.native.info()['simd']}")
+    if args.clip:
+        return clip_main(args)
     try:
         res = run(args)
         if not args.no_sweep and args.offload == "host":

@@ -148,6 +148,17 @@ class HostRoom:
                                       f"{self.tier.pool.capacity_bytes} free and nothing left to evict; "
                                       "raise host_memory or lower prefetch_depth") from None
 
+    def try_acquire(self, numel: int, dtype: torch.dtype):
+        """(tensor, handle) of a transient host buffer if the pool has room
+        now, else None: nothing is evicted or waited for (a buffer that is
+        only worth having when free: a speculative update's undo state)."""
+        with self.lock:
+            self.release_finished(block=False)
+            try:
+                return self.tier.acquire(numel, dtype)
+            except PoolExhausted:
+                return None
+
     def release(self, buf) -> None:
         with self.lock:
             self.tier.release(buf)

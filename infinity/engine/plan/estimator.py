@@ -9,7 +9,8 @@ engine's own placement arithmetic (``infinity.engine.plan.placement``):
   device-side optimizer state), plus the gradients between autograd and their
   copy out (about the largest parameter's);
 - host: the pool's permanent homes and, under ZeRO, the full gradients
-  being reduced; with NVMe homes the pool caches up to its budget;
+  being reduced, the undo state of speculative updates; with NVMe homes
+  the pool caches up to its budget;
 - nvme: the bytes the swap files hold (compute copies, master, moments);
 - process RSS: the interpreter and libraries as they are now (measured in
   this process), the model's fp32 tensors while ``initialize`` copies them
@@ -169,9 +170,10 @@ def _host_peak(places, modes: Modes, config: Config) -> Dict[str, int]:
     h = host_need(places, modes)
     budget = config.host_memory
     # With NVMe homes the pool caches up to its budget; else the homes plus
-    # the ZeRO reductions' full gradients in flight (the placement's minimum).
+    # the ZeRO reductions' full gradients in flight (the placement's minimum)
+    # and the speculative updates' undo state, as far as the budget holds it.
     extra = (min(h.capacity, budget) if budget else h.capacity) - h.permanent if modes.nvme_used \
-        else h.minimum - h.permanent
+        else h.minimum - h.permanent + (min(h.undo_bytes, max(0, budget - h.minimum)) if budget else h.undo_bytes)
     return {"model_state": h.permanent, "cache_and_transients": max(0, extra), "peak": h.permanent + max(0, extra),
             "minimum": h.minimum, "capacity": h.capacity, "budget": budget, "nvme_bytes": h.nvme_bytes}
 

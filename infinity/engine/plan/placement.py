@@ -20,7 +20,10 @@ gradients). What is transient comes on top:
   (two units' master, moments and gradients in the optimizer's pipeline, and
   the gradients of the unit whose backward runs) and one compute copy;
 - ZeRO stages 2-3: full gradients from a unit's first gradient to its
-  reduction, ``ZERO_REDUCING_UNITS`` of them at the minimum.
+  reduction, ``ZERO_REDUCING_UNITS`` of them at the minimum;
+- speculative updates (overlap="backward" with clipping or fp16): each
+  unit's undo state (``undo_bytes``), in the capacity only: a unit that
+  finds no room waits for ``step()``.
 
 All host buffers are rounded up to ``POOL_ALIGN``.
 """
@@ -35,7 +38,8 @@ import torch
 from .limits import DEVICE_ALIGN, PIPELINE_BUFFERS, POOL_ALIGN, ZERO_REDUCING_UNITS  # [Note: limits that must agree]
 
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need",
-           "nvme_capacity", "modes_of", "spillable", "nbytes", "round_pool", "POOL_ALIGN", "DEVICE_ALIGN", "PIPELINE_BUFFERS",
+           "nvme_capacity", "modes_of", "speculation_needed", "speculation_unsupported", "undo_bytes", "spillable",
+           "nbytes", "round_pool", "POOL_ALIGN", "DEVICE_ALIGN", "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
 
 NVME_CACHE_SPARE = 2       # NVMe compute copies cached beyond prefetch_depth
@@ -69,6 +73,7 @@ class Modes:
     depth: int                # prefetch_depth
     accum_steps: int          # grad_accumulation_steps
     prefetch_bytes: Optional[int] = None  # Config.prefetch_bytes
+    speculate: bool = False   # updates during backward before the clip/overflow check ([Note: speculative updates])
 
     @property
     def params_on_device(self) -> bool:
@@ -113,7 +118,25 @@ def modes_of(config, world: int, device: torch.device) -> Modes:
                   and config.grad_accumulation_steps == 1 else torch.float32)
     return Modes(device, dtype, grad_dtype, config.offload_params, config.offload_optimizer, config.zero_stage,
                  world, config.overlap == "delayed", config.prefetch_depth, config.grad_accumulation_steps,
-                 config.prefetch_bytes)
+                 config.prefetch_bytes, speculation_needed(config) and speculation_unsupported(config, world) is None)
+
+
+def speculation_needed(config) -> bool:
+    """overlap="backward" with clipping or fp16: updates during backward
+    must be speculative (see [Note: speculative updates] in step/speculate.py)."""
+    return config.overlap == "backward" and (config.max_grad_norm is not None or config.dtype == "fp16")
+
+
+def speculation_unsupported(config, world: int) -> Optional[str]:
+    """Why speculative updates are not available under ``config`` on
+    ``world`` ranks (the updates then wait for ``step()``), or None."""
+    if config.offload_optimizer != "host":
+        return f"offload_optimizer={config.offload_optimizer!r} (speculation needs 'host')"
+    if config.offload_params == "nvme":
+        return "offload_params='nvme' (speculation needs 'none' or 'host')"
+    if world > 1 or config.zero_stage:
+        return f"{world} ranks, zero_stage={config.zero_stage} (speculation needs one rank without ZeRO)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -206,6 +229,7 @@ class HostNeed:
     capacity: int    # the pool's size (more buys nothing)
     nvme_bytes: int  # what the swap files hold
     spill_bytes: int = 0  # swap room kept for host homes spilled under memory pressure (see spillable)
+    undo_bytes: int = 0   # the speculative updates' undo state, in the capacity (see undo_bytes)
 
 
 def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
@@ -236,9 +260,18 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
     if modes.zero >= 2 and modes.accum_steps == 1:
         zero_transient = min(zero_transient, ZERO_TRANSIENT_UNITS * largest_t)
     minimum += min(zero_transient, ZERO_REDUCING_UNITS * largest_t)
-    capacity = perm + (cache_all + pipeline if modes.nvme_used else 0) + zero_transient
+    undo = sum(undo_bytes(p, modes) for p in places if p.trainable) if modes.speculate else 0
+    capacity = perm + (cache_all + pipeline if modes.nvme_used else 0) + zero_transient + undo
     spill = sum(round_pool(nbytes(p.home_numel, modes.dtype)) for p in places) if spillable(modes) else 0
-    return HostNeed(perm, minimum, capacity, nvme, spill)
+    return HostNeed(perm, minimum, capacity, nvme, spill, undo)
+
+
+def undo_bytes(p: UnitPlacement, modes: Modes) -> int:
+    """Host bytes of one unit's undo state for a speculative update: its
+    master and moments (fp32) and the trainable part of its compute copy, in
+    one pool buffer. Not in the minimum: a unit without room waits for
+    ``step()`` (see [Note: speculative updates] in step/speculate.py)."""
+    return round_pool(3 * nbytes(p.state_numel, torch.float32) + nbytes(p.trainable_numel, modes.dtype))
 
 
 def spillable(modes: Modes) -> bool:

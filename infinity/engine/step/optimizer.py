@@ -10,6 +10,7 @@ schedule.py), one unit's update is update.py's.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import List
@@ -26,12 +27,16 @@ from ...optim.functional import group_hyper
 from ...system import native
 from ..plan.limits import optimizer_threads
 from ..faults import UsageError
+from ..plan.placement import speculation_needed, speculation_unsupported
 from .scaling import Scaling
+from .speculate import Speculation
 from .state_view import StateView
 from .schedule import make_schedule
 from .update import Updater
 
 __all__ = ["InfinityOptimizer"]
+
+log = logging.getLogger("infinity")
 
 
 class InfinityOptimizer(torch.optim.Optimizer):
@@ -61,11 +66,26 @@ class InfinityOptimizer(torch.optim.Optimizer):
                                self.threads, engine.values_changed)
         self.scaling = Scaling(cfg, engine.sharding, engine.grads, self.updater.counted_runs, engine.stats)
         self.schedule = make_schedule(engine.parts, self.updater, cfg.overlap, cfg.grad_accumulation_steps,
-                                      early_ok=not self.scaling.waits_for_step)
+                                      early_ok=not self.scaling.waits_for_step,
+                                      speculation=self._speculation(engine, cfg))
         self._loads = 0  # load_state_dict calls: optimizer.state reads again after one
         self.state = StateView(engine.param_slot, lambda: [p for g in self.param_groups for p in g["params"]],
                                engine.values.read, lambda: (self._loads, engine.values_version, engine.stats.steps),
                                self._state_ready, self._forget_state)
+
+    def _speculation(self, engine, cfg):
+        """The speculative updates of overlap="backward" with clipping or
+        fp16 ([Note: speculative updates] in speculate.py), where available;
+        else None, and ``stats()`` says why the updates wait for ``step()``."""
+        if not speculation_needed(cfg):
+            return None
+        if engine.modes.speculate:
+            return Speculation(engine.parts, self.scaling)
+        why = speculation_unsupported(cfg, engine.sharding.world)
+        engine.stats.spec_off = why
+        log.info("infinity: overlap='backward' with clipping or fp16: the updates wait for optimizer.step(), "
+                 "speculative updates are not available with %s", why)
+        return None
 
     # The scaling's figures, where torch users and checkpoints look for them.
     fp16 = property(lambda self: self.scaling.fp16)

@@ -6,7 +6,8 @@ sums over the data-parallel ranks), times 1 / loss scale (fp16), times the
 clip coefficient ``min(max_grad_norm / (norm + 1e-6), 1)`` when clipping.
 The norm and the fp16 overflow check need every gradient first, so with
 either the updates wait for ``step()`` (see [Note: when the optimizer runs]
-in schedule.py). A non-finite norm skips the step; fp16's dynamic loss scale
+in schedule.py), or run speculatively with the scale without clipping and
+are checked at ``step()`` ([Note: speculative updates] in speculate.py). A non-finite norm skips the step; fp16's dynamic loss scale
 halves on a skip (not below ``min_loss_scale``) and doubles after
 ``loss_scale_growth_interval`` good steps.
 """
@@ -47,11 +48,17 @@ class Scaling:
         """True when updates need every gradient first (clipping or fp16)."""
         return self.max_grad_norm is not None or self.fp16
 
+    def base_scale(self) -> float:
+        """The gradient scale without clipping: 1 / world, times 1 / loss
+        scale with fp16 (what a speculative update runs with: [Note:
+        speculative updates] in speculate.py)."""
+        return (1.0 / self.loss_scale if self.fp16 else 1.0) / self.sharding.world
+
     def global_scale(self, units_grads) -> Tuple[bool, float]:
         """(skip, grad_scale): unscaling, clipping and the fp16 overflow check
         over all gradients; ``units_grads`` lists (unit, grad buffer, written)."""
         world = self.sharding.world  # under data parallelism the gradients are sums over the ranks
-        inv = (1.0 / self.loss_scale if self.fp16 else 1.0) / world
+        inv = self.base_scale()
         if not self.waits_for_step:
             return False, inv
         norm = math.sqrt(self.sharding.sum_shards(self.grads.sum_of_squares(units_grads, self.runs))) / world

@@ -11,8 +11,9 @@ one interface: ``unit_ready``, ``backward_done``, ``step``, ``flush``,
   the accumulation window. It reads only host buffers and writes the master,
   the moments and the host compute copy; the device copy that backward still
   reads is untouched until ``step()`` invalidates it. Clipping and fp16
-  overflow checks need every gradient first, so with either the updates wait
-  for ``step()``. The queue of updates in flight, in the order they were
+  overflow checks need every gradient first, so with either the updates run
+  speculatively and are checked at ``step()`` ([Note: speculative updates]
+  in speculate.py), or, where that is not available, wait for it. The queue of updates in flight, in the order they were
   queued, is the ready queue (``_running``); ``wait_one`` waits for its oldest.
 - overlap="delayed": ``step()`` applies the update computed from the previous
   step's gradients (swapping in the second compute buffer) and queues the
@@ -61,12 +62,13 @@ class StepSchedule:
     ``residency``, ``mover``, ``sharding``, ``stats``, ``trace``, ``faults``,
     ``fence``, ``values_changed``, ``units``, ``modes``)."""
 
-    def __init__(self, parts, updater, accum_steps: int, early_ok: bool):
+    def __init__(self, parts, updater, accum_steps: int, early_ok: bool, speculation=None):
         self.p, self.updater, self.accum_steps = parts, updater, accum_steps
         self.early_ok = early_ok        # no clipping and no fp16: updates may run before step()
+        self.spec = speculation         # else updates during backward are speculative (speculate.py), if not None
         self._running: "OrderedDict[int, object]" = OrderedDict()  # unit index -> update in flight
         self._closing = False           # this backward ran last-window work
-        self._root_read = None          # host job reading the root's state ahead (NVMe)
+        self._root_read = None          # host job preparing the root's update (NVMe read, undo state saved)
         self._last_order: List[int] = []  # unit indices in the order the last step's updates were queued
         self._hyper = None              # the groups' hyper-parameters this step's early updates run with
         self._warned_hyper = False
@@ -166,23 +168,37 @@ class StepSchedule:
         hyper, self._hyper = self._hyper, None
         if hyper is not None:
             self._check_hyper(hyper)
-        todo = [u for u in p.units if u.index not in self._running and u.place.trainable]
+        spec = self.spec.units if self.spec is not None else []
+        # With speculative updates the norm is over every unit, as overlap="step" takes it.
+        todo = [u for u in p.units if (u.index not in self._running or spec) and u.place.trainable]
         for u in todo:  # See [Note: zero_grad(set_to_none=False)] in grads.py
             p.grads.fill_kept_zeros(u)
         skip, scale = scaling.global_scale([(u, p.grads.update_input(u), u.grads.written) for u in todo])
-        if skip and self._running:
+        replay = bool(spec) and not self.spec.check(skip, scale)  # rolled back: every unit from here
+        if spec and not replay:
+            todo = [u for u in todo if u.index not in self._running]
+        elif skip and self._running and not spec:
             raise RuntimeError("internal: overflow after early updates")  # early updates exclude fp16
+        t0 = time.perf_counter()
         scaling.after_overflow_check(skip)
         if not skip:
             self._update_all(todo, scale, hyper)
             p.stats.steps += 1
-            self._last_order = list(self._running) + [u.index for u in todo]
-        for u in p.units:
-            p.grads.consume(u)
-        self._running = OrderedDict()
-        self._closing = False
+            self._last_order = list(self._running) + [u.index for u in todo if u.index not in self._running]
+        if replay:
+            p.stats.spec_replay_seconds += time.perf_counter() - t0
+        self._end_step()
         if not skip:
             self._refresh_compute_copies()
+
+    def _end_step(self) -> None:
+        """The step's gradients are read: their buffers free, the queue empty."""
+        for u in self.p.units:
+            self.p.grads.consume(u)
+        self._running = OrderedDict()
+        self._closing = False
+        if self.spec is not None:
+            self.spec.end_step()
 
     def groups_now(self) -> list:
         """The param groups' hyper-parameters now (no params)."""
@@ -206,12 +222,13 @@ class StepSchedule:
             "optimizer.step() does), or use overlap='step'. (Warned once.)", RuntimeWarning, stacklevel=4)
 
     def _update_all(self, todo, scale: float, hyper=None) -> None:
-        p = self.p
+        p, t0 = self.p, time.perf_counter()
         if p.modes.opt_nvme:
             self._pipeline(todo, scale, hyper)
         else:
             for u in todo:
                 self.update_in_memory(u, p.grads.update_input(u), list(u.grads.written), scale, hyper)
+        p.stats.optimizer_wait_seconds += time.perf_counter() - t0  # updates in step() hide behind nothing
         if p.modes.zero in (1, 2):  # every rank gets the new compute copies of every shard
             for u in p.units:
                 if u.place.trainable:
@@ -320,17 +337,22 @@ class BackwardSchedule(StepSchedule):
     def _first_order(self, trainable: list) -> list:
         """Before any step was seen: the units complete their gradients
         roughly in reverse program order (in ``step()`` where updates may not
-        run early: clipping, fp16)."""
-        return trainable[::-1] if self.early_ok else trainable
+        run early: clipping or fp16 without speculation)."""
+        return trainable[::-1] if self.early_ok or self.spec is not None else trainable
 
     def _start_early(self, u) -> bool:
         p = self.p
-        if not (self.early_ok and self._last_backward() and p.modes.zero != 1 and u.index not in self._running
+        if not ((self.early_ok or self.spec is not None) and self._last_backward() and p.modes.zero != 1
+                and u.index not in self._running
                 and not p.grads.stale):  # stale: see [Note: a backward after step() without zero_grad()]
             return False
+        spec = None if self.early_ok else self.spec
+        if spec is not None and not spec.reserve(u):
+            return False  # waits for step()
         self._closing = True
         grad, written = p.grads.update_input(u), list(u.grads.written)
-        scale = 1.0 / p.sharding.world  # gradients are sums over the data-parallel ranks
+        # Gradients are sums over the data-parallel ranks; see [Note: speculative updates] in speculate.py.
+        scale = 1.0 / p.sharding.world if spec is None else spec.scale
         if self._hyper is None:  # See [Note: hyper-parameters of early updates]
             self._hyper = self.groups_now()
         hyper = self._hyper
@@ -348,11 +370,16 @@ class BackwardSchedule(StepSchedule):
         else:
             def job() -> None:
                 p.grads.wait(u)
+                if spec is not None:
+                    spec.save(u)
                 self.update_in_memory(u, grad, written, scale, hyper)
 
         self._running[u.index] = p.mover.host_job(self._guarded(job, u))
         if p.modes.opt_nvme:
             self._read_ahead_next()
+        elif spec is not None and len(self._running) == 1 and u.index and spec.reserve(p.units[0]):
+            # The root's update ends backward, on the step's critical path: its undo state is saved ahead.
+            self._root_read = p.mover.host_job(self._guarded(lambda: spec.save(p.units[0]), p.units[0]))
         return True
 
     def _bound_queue(self) -> None:
@@ -399,7 +426,7 @@ class DelayedSchedule(StepSchedule):
     no gradient at all in the step queues nothing and is not swapped.
     """
 
-    def __init__(self, parts, updater, accum_steps: int, early_ok: bool):
+    def __init__(self, parts, updater, accum_steps: int, early_ok: bool, speculation=None):
         super().__init__(parts, updater, accum_steps, early_ok)
         self._pending: list = []        # updates in flight
         self._pending_units: list = []
@@ -475,7 +502,10 @@ def _quietly(fn, *args) -> None:
         pass
 
 
-def make_schedule(parts, updater, overlap: str, accum_steps: int, early_ok: bool) -> StepSchedule:
-    """The schedule of ``overlap`` ("step", "backward" or "delayed")."""
+def make_schedule(parts, updater, overlap: str, accum_steps: int, early_ok: bool,
+                  speculation=None) -> StepSchedule:
+    """The schedule of ``overlap`` ("step", "backward" or "delayed");
+    ``speculation``: a speculate.Speculation for overlap="backward" where
+    updates may not simply run early (clipping, fp16), else None."""
     cls = {"step": StepSchedule, "backward": BackwardSchedule, "delayed": DelayedSchedule}[overlap]
-    return cls(parts, updater, accum_steps, early_ok)
+    return cls(parts, updater, accum_steps, early_ok, speculation)

@@ -1,0 +1,217 @@
+"""Speculative updates: overlap="backward" keeps the optimizer behind
+backward when clipping or fp16 loss scaling is on.
+
+[Note: speculative updates]
+The clip coefficient and the fp16 overflow check need every gradient, so
+without speculation each update waits for ``step()``. Speculating, each
+unit's update runs during backward as if the step's gradient scale were the
+one without clipping (``Scaling.base_scale``: 1 / world, times 1 / loss
+scale with fp16) and no gradient overflowed:
+
+- *Undo state.* Before the update the host thread copies the bytes the
+  update may change into one host-pool buffer of the unit (``undo_bytes`` in
+  plan/placement.py, in the host budget's capacity): the fp32 master, both
+  moments, the trainable part of the host compute copy, and the slots' step
+  counts. The buffer is taken on the autograd thread as the update is
+  queued (the root's with the first one: its update ends backward, on the
+  step's critical path, so its state is saved while backward runs), only if
+  the pool has room then (``HostRoom.try_acquire``: nothing
+  is evicted for it); a unit that finds none waits for ``step()`` like
+  before, and the run says so once (a warning, and ``stats()``).
+- *Validation.* ``step()`` takes the norm over every unit's gradients, in
+  program order, exactly as overlap="step" does (the gradients stay in their
+  buffers until then), and so the same clip coefficient and overflow flag.
+  The step's scale is ``base_scale * coef``; when it equals the scale the
+  speculative updates ran with, bit for bit, and the norm is finite, the
+  kernel calls of overlap="step" would have had the same inputs: the
+  speculation is committed (the undo buffers go back to the pool).
+- *Replay.* Otherwise every speculatively updated unit gets its undo state
+  copied back (the same bytes as before its update: master, moments, step
+  counts; the compute copy only for a skipped step, since a replay writes
+  every element of it the speculative update wrote: the same slots got
+  gradients), and the step continues as overlap="step"'s would from the
+  same state: every unit updated with the true scale, or none on an
+  overflow. The kernel is deterministic for given inputs, so the
+  result is overlap="step"'s bit for bit. Device copies are refreshed in
+  either case (``Residency.invalidate``).
+- *Back-off.* A run that clips every step would pay a speculative update
+  and a replay each step. After a replay the next steps wait for ``step()``
+  instead: 1, then 2, 4 and at most ``MAX_BACKOFF`` steps after replays
+  in a row; a committed speculation ends the back-off.
+
+The hyper-parameters are those of the step's first early update ([Note:
+hyper-parameters of early updates] in schedule.py), for the replay too.
+
+Cost: the save reads and writes 16 bytes a parameter (fp32 compute copy;
+14 in bf16) on the host thread before each update, about twice the AdamW
+kernel's own time on the 2-core development machine (torch's ``copy_``):
+hidden where the host thread has that room behind backward. A replay's
+rollback copies 12 bytes a parameter back, on the step's critical path.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from ..plan.placement import nbytes, undo_bytes
+
+__all__ = ["Speculation", "MAX_BACKOFF"]
+
+MAX_BACKOFF = 8  # steps waited at most after replays in a row
+
+
+@dataclass
+class _Undo:
+    """One unit's undo state: views into one pool buffer ``buf``."""
+
+    buf: object
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    compute: torch.Tensor
+    steps: Optional[List[int]] = None  # the slots' step counts, once saved
+
+
+class Speculation:
+    """The speculative updates of a ``BackwardSchedule`` (see [Note:
+    speculative updates]). ``parts`` is the engine's record (this uses
+    ``room``, ``host_cache``, ``residency``, ``fence``, ``values_changed``,
+    ``stats``, ``modes``, ``units``); ``scaling`` gives the scale an update
+    runs with before the check (``base_scale``)."""
+
+    def __init__(self, parts, scaling):
+        self.p, self.scaling = parts, scaling
+        self.scale: Optional[float] = None  # the gradient scale this step's speculative updates ran with
+        self._undo: Dict[int, _Undo] = {}   # unit index -> undo state, in the order the updates were queued
+        self._now: Optional[bool] = None    # this step speculates (None: not decided yet)
+        self._backoff = 0                   # steps the last back-off waited
+        self._wait = 0                      # steps still to wait
+        self._warned_room = False
+
+    # -- during backward ------------------------------------------------------------------
+
+    def reserve(self, u) -> bool:
+        """``u``'s update may start now, speculatively: its undo buffer is
+        taken (autograd thread). False: it waits for ``step()`` (the step
+        backs off, or the host pool has no room)."""
+        if self._now is None:
+            self._now = self._wait == 0
+            self.scale = self.scaling.base_scale()
+        if not self._now:
+            return False
+        if u.index in self._undo:
+            return True  # taken ahead (the root's)
+        p = self.p
+        if not u.place.trainable:
+            return False
+        got = p.room.try_acquire(undo_bytes(u.place, p.modes), torch.uint8)
+        if got is None:
+            p.stats.spec_units_without_room += 1
+            self._warn_room(u)
+            return False
+        raw, buf = got
+        sn, tn = u.place.state_numel, u.place.trainable_numel
+        f32 = raw[:12 * sn].view(torch.float32)
+        comp = raw[12 * sn:12 * sn + nbytes(tn, p.modes.dtype)].view(p.modes.dtype)
+        self._undo[u.index] = _Undo(buf, f32[:sn], f32[sn:2 * sn], f32[2 * sn:], comp)
+        return True
+
+    def save(self, u) -> None:
+        """Copies ``u``'s state into its undo buffer (host thread, before its
+        update; once, if saved ahead)."""
+        d, o = self._undo[u.index], u.opt
+        if d.steps is not None:
+            return
+        d.master.copy_(o.master)
+        d.exp_avg.copy_(o.exp_avg)
+        d.exp_avg_sq.copy_(o.exp_avg_sq)
+        d.compute.copy_(self.p.host_cache.home(u)[:d.compute.numel()])
+        d.steps = [s.step for s in u.layout.trainable_slots]
+
+    def _warn_room(self, u) -> None:
+        if self._warned_room:
+            return
+        self._warned_room = True
+        warnings.warn(
+            f"infinity: the host pool has no room for the undo state of unit {u.name!r} "
+            f"({undo_bytes(u.place, self.p.modes)} bytes), so its update waits for optimizer.step() instead of "
+            "running during backward (overlap='backward' with clipping or fp16 updates speculatively: [Note: "
+            "speculative updates] in infinity/engine/step/speculate.py). Raise host_memory to hide it. The "
+            "result is the same. (Warned once; stats()['speculation']['units_without_room'] counts them.)",
+            RuntimeWarning, stacklevel=2)
+
+    # -- at step() -------------------------------------------------------------------------
+
+    @property
+    def units(self) -> List[int]:
+        """Indices of the units updated speculatively in this step."""
+        return list(self._undo)
+
+    def check(self, skip: bool, scale: float) -> bool:
+        """After the step's norm (``skip``: non-finite; ``scale``: the step's
+        gradient scale): commits the speculation (True) or rolls every
+        speculated unit back to its state before its update (False); the
+        caller then updates every unit with ``scale`` unless ``skip``."""
+        st = self.p.stats
+        st.spec_steps += 1
+        if not skip and scale == self.scale:
+            st.spec_committed += 1
+            self._backoff = 0
+            self._release()
+            return True
+        t0 = time.perf_counter()
+        self._rollback(compute=skip)
+        if skip:
+            st.spec_skipped += 1
+        else:
+            st.spec_replayed += 1
+        self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF)
+        self._wait = self._backoff
+        st.spec_replay_seconds += time.perf_counter() - t0
+        return False
+
+    def end_step(self) -> None:
+        """The step is over (or its gradients were dropped): the next one decides afresh."""
+        if self._now is False:
+            self.p.stats.spec_waited += 1
+            self._wait = max(0, self._wait - 1)
+        self._now, self.scale = None, None
+        self._release()
+
+    def _rollback(self, compute: bool) -> None:
+        """Every speculated unit back to its state before its update;
+        ``compute``: its compute copy too (a replay writes every element the
+        speculative update wrote, so only a skipped step needs it)."""
+        p = self.p
+        for i, d in self._undo.items():
+            u = p.units[i]
+            if d.steps is None:
+                continue  # its update never started (a fault before it)
+            p.fence.wait_unit(u)
+            o = u.opt
+            o.master.copy_(d.master)
+            o.exp_avg.copy_(d.exp_avg)
+            o.exp_avg_sq.copy_(d.exp_avg_sq)
+            if compute:
+                comp = p.host_cache.open_for_update(u)
+                try:
+                    comp[:d.compute.numel()].copy_(d.compute)
+                finally:
+                    p.host_cache.close_update(u)
+            for s, n in zip(u.layout.trainable_slots, d.steps):
+                s.step = n
+            p.values_changed(u)
+        self._release()
+        p.residency.invalidate()  # no device copy keeps a speculated value
+
+    def _release(self) -> None:
+        undo, self._undo = self._undo, {}
+        if undo:
+            with self.p.room.lock:
+                for d in undo.values():
+                    self.p.room.release(d.buf)

@@ -1,0 +1,178 @@
+"""Speculative updates ([Note: speculative updates] in
+infinity/engine/step/speculate.py): overlap="backward" with clipping or fp16
+runs each update during backward and checks it at step(). Whatever the
+check finds, every loss, every final tensor, every moment and step count
+must be overlap="step"'s, bit for bit."""
+
+import warnings
+
+import pytest
+import torch
+
+import infinity
+from infinity.engine.plan.placement import host_need, undo_bytes
+from engine_utils import batches, unequal_net
+
+STEPS = 8
+# Loss multipliers per step: the gradient norm is about 1e-3 or about 10 of
+# the same batch's, so a threshold of 0.1 clips on steps 2 and 6 only.
+SOME = (1e-3, 1e-3, 10.0, 1e-3, 1e-3, 1e-3, 10.0, 1e-3)
+CLIPS = {"never": (1e9, (1.0,) * STEPS), "always": (1e-6, (1.0,) * STEPS), "some": (0.1, SOME)}
+
+
+def tiny():
+    return unequal_net(hidden=(16, 8, 24, 8))
+
+
+def make(overlap, clip, accum=1, **kw):
+    cfg = dict(device="cpu", dtype="fp32", offload_params="host", offload_optimizer="host", host_memory="64MiB",
+               overlap=overlap, max_grad_norm=clip, grad_accumulation_steps=accum)
+    cfg.update(kw)
+    return infinity.initialize(tiny(), infinity.Config(**cfg), lr=1e-2, weight_decay=0.1)
+
+
+def train(model, opt, factors, steps, accum=1, first=0) -> list:
+    """Optimizer steps ``first`` .. ``steps - 1`` (the data and the loss
+    multipliers are those of each step); returns the losses."""
+    losses, data = [], batches(steps * accum, b=1)
+    for i in range(first * accum, steps * accum):
+        x, y = data[i]
+        loss = model(x, y) * factors[i // accum] / accum
+        opt.scale_loss(loss).backward()
+        losses.append(loss.item())
+        if (i + 1) % accum == 0:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def finish(model, opt, losses) -> tuple:
+    """(losses, full state dict, optimizer state dict, stats); closes the engine."""
+    try:
+        sd = {k: v.clone() for k, v in infinity.full_state_dict(model).items()}
+        return losses, sd, opt.state_dict(), infinity.stats(model)
+    finally:
+        infinity.close(model)
+
+
+def run(overlap, clip, factors, steps=STEPS, accum=1, **kw):
+    """Trains tiny() for ``steps`` optimizer steps; returns :func:`finish`'s tuple."""
+    model, opt = make(overlap, clip, accum, **kw)
+    try:
+        losses = train(model, opt, factors, steps, accum)
+    except BaseException:
+        infinity.close(model)
+        raise
+    return finish(model, opt, losses)
+
+
+def assert_same_bits(a, b):
+    """Losses, parameters, moments and step counts bitwise equal."""
+    assert a[0] == b[0], (a[0], b[0])
+    assert list(a[1]) == list(b[1])
+    for k in a[1]:
+        assert torch.equal(a[1][k], b[1][k]), k
+    sa, sb = a[2]["state"], b[2]["state"]
+    assert sorted(sa) == sorted(sb)
+    for i in sa:
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+
+
+@pytest.mark.parametrize("params", ["none", "host"])
+@pytest.mark.parametrize("case", sorted(CLIPS))
+def test_clipping_bitwise_as_overlap_step(case, params):
+    clip, factors = CLIPS[case]
+    want = run("step", clip, factors, offload_params=params)
+    got = run("backward", clip, factors, offload_params=params)
+    assert_same_bits(got, want)
+    s = got[3]["speculation"]
+    assert s["off"] is None and s["units_without_room"] == 0
+    assert s["steps"] == s["committed"] + s["replayed"] + s["skipped"]
+    assert s["steps"] + s["waited"] == STEPS
+    if case == "never":
+        assert s["committed"] == STEPS, s
+    elif case == "always":  # the back-off: replay, wait 1, replay, wait 2, replay (8 steps)
+        assert (s["committed"], s["replayed"], s["waited"]) == (0, 3, 5), s
+    else:  # steps 2 and 6 clip: 0, 1 commit; 2 replays; 3 waits; 4, 5 commit; 6 replays; 7 waits
+        assert (s["committed"], s["replayed"], s["waited"]) == (4, 2, 2), s
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("accum", [1, 3])
+def test_accumulation_and_compute_dtypes(accum, dtype):
+    clip, factors = CLIPS["some"]
+    want = run("step", clip, factors, steps=6, accum=accum, dtype=dtype)
+    got = run("backward", clip, factors, steps=6, accum=accum, dtype=dtype)
+    assert_same_bits(got, want)
+    s = got[3]["speculation"]
+    assert s["committed"] >= 1 and s["replayed"] >= 1, s
+
+
+def test_fp16_overflow_rolls_back_and_skips():
+    """fp16: a step whose gradients overflow is skipped by both; the
+    speculative updates that ran with the infinite gradients are undone."""
+    factors = (1.0, 1.0, 1e6, 1.0, 1.0, 1.0)  # step 2 overflows fp16 (loss scale 2^16)
+    want = run("step", None, factors, steps=6, dtype="fp16")
+    got = run("backward", None, factors, steps=6, dtype="fp16")
+    assert_same_bits(got, want)
+    assert got[3]["skipped_steps"] == want[3]["skipped_steps"] >= 1
+    assert got[3]["loss_scale"] == want[3]["loss_scale"]
+    s = got[3]["speculation"]
+    assert s["skipped"] >= 1 and s["committed"] >= 1, s
+    assert all(torch.isfinite(v).all() for v in got[1].values())
+
+
+def test_undo_state_without_room_waits_for_step():
+    """A host budget with room for the undo state of only some units: the
+    others wait for step() (said once), and the bytes are still overlap="step"'s."""
+    clip, factors = CLIPS["some"]
+    cfg = infinity.Config(device="cpu", dtype="fp32", offload_params="host", offload_optimizer="host",
+                          overlap="backward", max_grad_norm=clip)
+    model, _ = infinity.initialize(tiny(), cfg)
+    eng = infinity.api.engine_of(model)
+    need = host_need([u.place for u in eng.units], eng.modes)
+    largest = max(undo_bytes(u.place, eng.modes) for u in eng.units if u.place.trainable)
+    infinity.close(model)
+    budget = need.minimum + need.undo_bytes - largest  # room for all undo states but the largest unit's
+    assert need.undo_bytes > largest
+    want = run("step", clip, factors, host_memory=budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run("backward", clip, factors, host_memory=budget)
+    assert_same_bits(got, want)
+    said = [w for w in caught if "no room for the undo state" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    s = got[3]["speculation"]
+    assert s["units_without_room"] > 0 and s["committed"] >= 1 and s["replayed"] >= 1, s
+    assert got[3]["peak_bytes"]["host"] <= budget
+
+
+def test_unavailable_combinations_say_why(tmp_path):
+    """NVMe optimizer state: the updates wait for step() (as before), and stats() says why."""
+    clip, factors = CLIPS["some"]
+    got = run("backward", clip, factors, steps=2, offload_optimizer="nvme", swap_paths=[str(tmp_path)],
+              swap_block_size=4096)
+    s = got[3]["speculation"]
+    assert s["steps"] == 0 and "offload_optimizer='nvme'" in s["off"], s
+    assert run("backward", None, factors, steps=1)[3]["speculation"]["off"] is None  # not needed, not off
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_checkpoint_across_a_replayed_step(tmp_path, blocking):
+    """A checkpoint saved after the replayed step 2 (blocking, or in the
+    background while step 3's updates run) and resumed in a new engine
+    ends where the uninterrupted overlap="step" run does."""
+    clip, factors = CLIPS["some"]
+    want = run("step", clip, factors)
+    model, opt = make("backward", clip)
+    losses = train(model, opt, factors, 3)
+    assert infinity.stats(model)["speculation"]["replayed"] == 1
+    path = infinity.save_checkpoint(str(tmp_path), model, opt, blocking=blocking)
+    losses += train(model, opt, factors, 5, first=3)  # speculating while a background save reads
+    if not blocking:
+        path = path.wait()
+    assert_same_bits(finish(model, opt, losses), run("step", clip, factors, steps=5))
+    model, opt = make("backward", clip)
+    infinity.load_checkpoint(path, model, opt)
+    assert_same_bits(finish(model, opt, losses[:3] + train(model, opt, factors, STEPS, first=3)), want)
