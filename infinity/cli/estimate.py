@@ -81,9 +81,10 @@ def load_run_for_estimate(config_path: str) -> tuple:
     x = torch.zeros(d.micro_batch, d.seq_len, dtype=torch.long, device="meta")
     if run.model.path:
         # Hugging Face's mask building reads values (.item()), which meta tensors have not: a ready 4-D
-        # mask of the same shape skips it and costs the forward the same memory.
-        mask = torch.zeros(d.micro_batch, 1, d.seq_len, d.seq_len, device="meta")
-        return run.config, model, (lambda m: m(input_ids=x, attention_mask=mask).logits.float().sum()), \
+        # mask skips it. The run itself has none (causal attention), so the stand-in is one element
+        # broadcast: it costs the count nothing.
+        mask = torch.zeros(1, 1, 1, 1, device="meta").expand(d.micro_batch, 1, d.seq_len, d.seq_len)
+        return run.config, model, (lambda m: m(input_ids=x, attention_mask=mask, labels=x).loss), \
             bool(run.model.lazy)
     return run.config, model, (lambda m: loss(m, x, x)), bool(run.model.lazy)
 
