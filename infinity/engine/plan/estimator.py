@@ -7,7 +7,9 @@ engine's own placement arithmetic (``infinity.engine.plan.placement``):
 - device: the arena fills with the pass units and as many paged units as fit
   (the arena is what the budget leaves after the gradient reserve and any
   device-side optimizer state), plus the gradients between autograd and their
-  copy out (about the largest parameter's);
+  copy out (about the largest parameter's), plus on CUDA the activations
+  (``device_memory`` budgets the model state; the activations come beside it
+  in the same memory, so the device's peak holds both);
 - host: the pool's permanent homes and, under ZeRO, the full gradients
   being reduced; with NVMe homes the pool caches up to its budget;
 - nvme: the bytes the swap files hold (compute copies, master, moments);
@@ -90,10 +92,12 @@ def _device_peak(places, modes: Modes, budget: Optional[int], largest_param_grad
 def _host_peak(places, modes: Modes, config: Config) -> Dict[str, int]:
     h = host_need(places, modes)
     budget = config.host_memory
-    # With NVMe homes the pool caches up to its budget; else the homes plus
-    # the ZeRO reductions' full gradients in flight (the placement's minimum).
-    extra = (min(h.capacity, budget) if budget else h.capacity) - h.permanent if modes.nvme_used \
-        else h.minimum - h.permanent
+    # With NVMe homes the pool caches up to its budget (never below the
+    # placement's minimum: a smaller budget is refused, so the need is the
+    # minimum); else the homes plus the ZeRO reductions' full gradients in
+    # flight (the minimum).
+    cached = min(h.capacity, budget) if budget else h.capacity
+    extra = (max(cached, h.minimum) if modes.nvme_used else h.minimum) - h.permanent
     return {"model_state": h.permanent, "cache_and_transients": max(0, extra), "peak": h.permanent + max(0, extra),
             "minimum": h.minimum, "capacity": h.capacity, "budget": budget, "nvme_bytes": h.nvme_bytes}
 
@@ -140,6 +144,9 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
     rss = {"baseline": base, "model_fp32_at_initialize": model_fp32, "host_pool": host["peak"],
            "device_tier_in_ram": dev["peak"] if on_cpu else 0, "activations": act_peak if on_cpu else 0,
            "staging": staging, "runtime": RUNTIME_BYTES, "peak": base + max(training, at_init)}
-    dev["activations"] = 0 if on_cpu else act_peak  # on CUDA beside the tier, in the device's memory
+    # On CUDA the activations sit beside the tier in the device's memory: the
+    # device needs both (device_memory budgets the model state alone).
+    dev["activations"] = 0 if on_cpu else act_peak
+    dev["model_state_peak"], dev["peak"] = dev["peak"], dev["peak"] + dev["activations"]
     return {"device": dev, "host": host, "nvme": nvme, "rss": rss, "activations": act,
             "units": {"count": len(units), "parameters": sum(p.numel() for p in model.parameters())}}
