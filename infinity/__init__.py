@@ -27,6 +27,7 @@ from .engine.adapt.floor import MemoryLimitError
 from .lazy_init import init
 from .checkpoint.pretrained import load_pretrained
 from .optim import CPUAdamW
+from .progress import StepMeter, on_steps
 
 __version__ = "0.1.0"
 
@@ -34,7 +35,7 @@ __all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "full
            "MemoryLimitError",
            "EngineFailedError", "init", "load_pretrained", "close", "save_checkpoint", "load_checkpoint",
            "verify_checkpoint", "export_pretrained", "CorruptCheckpointError", "CheckpointSpaceError", "MemoryPressureError", "DeviceOutOfMemoryError", "AsyncCheckpoint",
-           "__version__"]
+           "StepMeter", "on_steps", "__version__"]
 
 import sys as _sys
 

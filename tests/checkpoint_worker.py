@@ -136,3 +136,40 @@ def state_dict_phase(rank: int, world: int, rdzv: str, stages: list, out_dir: st
             infinity.close(model)
     finally:
         dist.destroy_process_group()
+
+
+def locked_phase(rank: int, world: int, rdzv: str, out_dir: str) -> None:
+    """Issue 34: another saver holds the checkpoint folder's lock (taken
+    here by rank 0 on its own descriptor, as a second job's rank 0 would).
+    Every rank's ``save_checkpoint`` must raise (rank 0 naming the lock, the
+    others naming rank 0) instead of waiting in the gathers; then a save
+    after the lock is dropped succeeds. Each rank writes ``locked-{rank}.txt``."""
+    from infinity.checkpoint import owner
+    torch.set_num_threads(1)
+    _init(rank, world, rdzv)
+    try:
+        cfg = infinity.Config(device="cpu", dtype="fp32", device_memory=8 * unit_bytes(small_gpt()),
+                              host_memory="256MiB", zero_stage=3, offload_params="host", offload_optimizer="host",
+                              swap_paths=[os.path.join(out_dir, "swap-locked")])
+        model, opt = infinity.initialize(small_gpt(), cfg, lr=1e-3)
+        x, y = batches(1, seed=0, b=GLOBAL_BATCH)[0]
+        model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        opt.step()
+        ck = os.path.join(out_dir, "ck-locked")
+        held = None
+        if rank == 0:
+            owner.make_root(ck, "test")
+            held = owner.SaveLock(ck)
+        try:
+            infinity.save_checkpoint(ck, model, opt)
+            outcome = "saved"
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
+            outcome = f"{type(e).__name__}: {e}"
+        if held is not None:
+            held.release()
+        infinity.save_checkpoint(ck, model, opt)  # the lock is free now
+        with open(os.path.join(out_dir, f"locked-{rank}.txt"), "w") as f:
+            f.write(outcome + "\n" + ",".join(sorted(os.listdir(ck))))
+        infinity.close(model)
+    finally:
+        dist.destroy_process_group()

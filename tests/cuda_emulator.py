@@ -79,7 +79,10 @@ class LazyTicket(Ticket):
 
 
 class LazyMover(CpuMover):
-    """CpuMover whose copies run in CUDA's latest legal schedule."""
+    """CpuMover whose copies run in CUDA's latest legal schedule; gradients
+    leave in buckets, as on CUDA."""
+
+    batches_grads = True
 
     def __init__(self) -> None:
         super().__init__()

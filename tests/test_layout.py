@@ -23,7 +23,7 @@ PKG = Path(__file__).resolve().parents[1] / "infinity"
 # public door (api.py); ``infinity`` is the package's __init__, which may
 # import anything.
 LAYERS = {
-    "__main__": 10, "cli": 9, "integrations": 8, "stress": 8, "checkpoint": 7, "api": 6, "engine": 5,
+    "__main__": 10, "cli": 9, "integrations": 8, "stress": 8, "checkpoint": 7, "progress": 7, "api": 6, "engine": 5,
     "optim": 4, "io": 3, "lazy_init": 2, "system": 2, "config": 1, "models": 1,
 }
 ENGINE_LAYERS = {

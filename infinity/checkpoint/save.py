@@ -109,7 +109,7 @@ def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optiona
         meta["model_config"] = model.cfg.to_json_dict()
     own_rng = rng.capture()  # now: training goes on drawing numbers while a background save writes
     partial = layout.partial_dir(root, step)
-    lock = _prepare_folder(root, partial, plan) if eng.sharding.rank == 0 else None
+    lock = _prepare_on_rank0(eng, root, partial, plan)
     job = functools.partial(_finish, eng, plan, root, partial, step, meta, own_rng, keep_last, lock)
     if not blocking:
         try:
@@ -119,6 +119,26 @@ def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optiona
                 lock.release()
             raise
     return job()
+
+
+def _prepare_on_rank0(eng, root: str, partial: str, plan: Plan) -> Optional[owner.SaveLock]:
+    """Rank 0 prepares the folder and takes its lock; under ZeRO every rank
+    then learns whether it could, so a refused save (another saver holds the
+    lock, a foreign folder) raises on every rank instead of leaving the
+    others waiting in the gathers. Returns rank 0's lock (None elsewhere)."""
+    lock, failed = None, None
+    if eng.sharding.rank == 0:
+        try:
+            lock = _prepare_folder(root, partial, plan)
+        except BaseException as e:  # noqa: BLE001 - told to every rank, then raised
+            failed = e
+    if eng.sharding.world > 1 and eng.sharding.sum(0.0 if failed is None else 1.0):
+        if failed is None:
+            raise RuntimeError(f"save_checkpoint: rank 0 could not prepare the checkpoint folder {root!r} (its "
+                               "error says why); nothing was saved")
+    if failed is not None:
+        raise failed
+    return lock
 
 
 def _prepare_folder(root: str, partial: str, plan: Plan) -> owner.SaveLock:

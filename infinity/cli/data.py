@@ -49,12 +49,17 @@ class Sampler:
     restored with :meth:`load_state_dict`, so a resumed run sees the same
     batches as an uninterrupted one."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch: int, seed: int = 0, vocab: int = 0):
-        self.tokens, self.seq_len, self.batch, self.seed, self.vocab = tokens, seq_len, batch, seed, vocab
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch: int, seed: int = 0, vocab: int = 0,
+                 rank: int = 0, world: int = 1):
+        # Every rank draws the global micro-batch (batch x world windows) and
+        # keeps its rows: see [Note: infinity train on several ranks] in launch.py.
+        self.tokens, self.seq_len, self.seed, self.vocab = tokens, seq_len, seed, vocab
+        self.batch, self.rank, self.world = batch * world, rank, world
         self.windows = (len(tokens) - 1) // seq_len
-        if self.windows < batch:
+        if self.windows < self.batch:
             raise ConfigFileError(f"'data.path' holds {len(tokens)} tokens: fewer than data.micro_batch={batch} "
-                                  f"windows of data.seq_len={seq_len} + 1; use a larger file or smaller values")
+                                  f"x {world} rank(s) windows of data.seq_len={seq_len} + 1; use a larger file or "
+                                  "smaller values")
         self.epoch, self.index = 0, 0
         self._order = self._perm()
 
@@ -76,6 +81,9 @@ class Sampler:
         if self.vocab and int(t.max()) >= self.vocab:
             raise ValueError(f"token id {int(t.max())} in 'data.path' is >= the model's vocabulary size "
                              f"{self.vocab}: set model.vocab_size larger (or check data.dtype)")
+        if self.world > 1:
+            n = self.batch // self.world
+            t = t[self.rank * n:(self.rank + 1) * n]
         return t[:, :-1], t[:, 1:]
 
     def state_dict(self) -> Dict[str, int]:

@@ -12,6 +12,7 @@ removed at the end.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -34,6 +35,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--swap-path", action="append", default=[], metavar="P", help="a swap path (repeatable)")
     p.add_argument("--need", help="bytes the run puts on NVMe in all (e.g. 200GiB), shared by the paths")
     p.add_argument("--probe-bytes", default=str(PROBE_BYTES), help="bandwidth probe size (default 64MiB)")
+    p.add_argument("--profile", metavar="OUT.json", help="measure this machine's speeds for `infinity estimate "
+                   "--time` (under a minute) and write them to OUT.json, instead of the checks")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="compute dtype to profile (default: the "
+                   "run file's, else bf16)")
     p.set_defaults(run=run)
 
 
@@ -86,6 +91,25 @@ def render(rows: List[Check]) -> str:
     return "\n".join(lines)
 
 
+def write_profile(out: str, config: Config, paths: List[str], dtype: str) -> int:
+    """Measures the profile (cli/profile_measure.py) on the config's device, writes it to ``out``; 0."""
+    from ..engine.plan.estimator import compute_device
+    from .profile_measure import measure_profile
+    dev = compute_device(config)
+    for p in paths:
+        os.makedirs(p, exist_ok=True)
+    prof = measure_profile(dev, dtype, paths, config.num_threads)
+    with open(out, "w") as f:
+        f.write(prof.to_json())
+    best = max(r for pts in prof.gemm_flops.values() for _, r in pts)
+    print(f"profile of {dev.type} in {dtype} written to {out} in {prof.extra['seconds_to_measure']} s: GEMM up to "
+          f"{best / 1e9:.1f} GFLOP/s, memory {prof.mem_bw / 1e9:.1f} GB/s, op {prof.op_overhead_s * 1e6:.0f} us, "
+          f"h2d {prof.h2d_bw / 1e9:.1f} GB/s, d2h {prof.d2h_bw / 1e9:.1f} GB/s, AdamW "
+          f"{prof.adamw_params_per_s['fp32'] / 1e6:.0f} M params/s, disk read {prof.disk_read_bw / 1e9:.2f} GB/s "
+          f"write {prof.disk_write_bw / 1e9:.2f} GB/s; interference {prof.slow}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs every check, prints the table; 1 if any FAIL, else 0."""
     config, need = Config(), None
@@ -98,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         probe = parse_bytes(args.probe_bytes, "--probe-bytes")
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
+    if args.profile:
+        return write_profile(args.profile, config, paths, args.dtype or (config.dtype if args.config else "bf16"))
     share = None if need is None else -(-need // len(paths))
     block = min(int(config.swap_block_size), 8 << 20)
     rows: List[Check] = []

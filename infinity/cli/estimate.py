@@ -34,6 +34,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device-size", default=None,
                    help="the accelerator's memory to check the device's need against (e.g. 80GiB; default: this "
                         "machine's GPU when the run is on CUDA and one is here)")
+    p.add_argument("--time", action="store_true", help="also predict the step time per placement and overlap mode")
+    p.add_argument("--profile", help="hardware profile for --time: a file from `infinity doctor --profile`, or "
+                   "a shipped one by name (h200-pcie5-nvme, rtx4090-pcie4-nvme)")
     p.set_defaults(run=run)
 
 
@@ -259,5 +262,8 @@ def run(args: argparse.Namespace) -> int:
     if line:
         print(line)
     print(suggest(model, config, forward, args.world, lazy))
+    if args.time:
+        from .estimate_time import run_time
+        print(run_time(model, config, forward, args.world, lazy, args.profile))
     short = any(est[t]["budget"] is not None and est[t]["budget"] < est[t]["minimum"] for t in ("device", "host"))
     return 1 if short or not fits else 0

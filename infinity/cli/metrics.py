@@ -24,8 +24,10 @@ class Metrics:
     every ``every``-th step to ``path`` (JSONL) and drives the bar."""
 
     def __init__(self, path: Optional[str], every: int, total_steps: int, start_step: int, tokens_per_step: int,
-                 progress: bool):
+                 progress: bool, flops_per_token: int = 0, peak_tflops: Optional[float] = None, world: int = 1):
         self.path, self.every, self.tokens_per_step = path, every, tokens_per_step
+        # See [Note: model FLOPs] in infinity/progress.py.
+        self.flops_per_token, self.peak_tflops, self.world = flops_per_token, peak_tflops, world
         self._file = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -54,6 +56,8 @@ class Metrics:
             "step_bytes_moved": stats["step_bytes_moved"], "loss_scale": stats["loss_scale"],
             "skipped_steps": stats["skipped_steps"], "rss_bytes": _rss(),
         }
+        rec["tflops"] = self.flops_per_token * self.tokens_per_step / self.world / dt / 1e12
+        rec["mfu"] = rec["tflops"] / self.peak_tflops if self.peak_tflops else None
         self._last_t, self._last_step = now, step
         self._last = {k: stats[k] for k in self._last}
         if self._file is not None and (step % self.every == 0 or step == 1):
@@ -72,8 +76,9 @@ class Metrics:
             peak, budget = rec["peak_bytes"].get(t, 0), rec["budget_bytes"].get(t)
             if peak or budget:
                 tiers.append(f"{t} {format_bytes(peak)}" + (f"/{format_bytes(budget)}" if budget else ""))
-        return (f"loss {rec['loss']:.4f} {rec['tokens_per_s']:.0f} tok/s {rec['s_per_step']:.3f} s/step "
-                + " ".join(tiers))
+        mfu = f" MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
+        return (f"loss {rec['loss']:.4f} {rec['tokens_per_s']:.0f} tok/s {rec.get('tflops', 0.0):.3g} TFLOPS{mfu} "
+                f"{rec['s_per_step']:.3f} s/step " + " ".join(tiers))
 
     def close(self) -> None:
         """Closes the file and the bar."""

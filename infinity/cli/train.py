@@ -10,6 +10,9 @@ give back) is raised at the end of ``optimizer.step()``, after the update:
 that step is whole. The command finishes its bookkeeping, saves a checkpoint
 of it when the run file has a ``[checkpoint]`` section, closes the engine and
 exits with status 1 naming the error (and where the checkpoint is).
+
+Under ``torchrun`` every rank runs the command: see [Note: infinity train on
+several ranks] in launch.py.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import torch
 
 import infinity
 
+from ..api import engine_of
 from ..config.runtime import Config
 from ..config.schedules import Schedule
+from ..progress import model_flops_per_token, peak_tflops
 from .common import CLIError, UsageError
 from .data import Sampler, open_tokens
+from .launch import Ranks, agree, start
 from .metrics import Metrics
 from .model import build_model, param_groups
 from .runfile import RunFile, load_run_file
@@ -102,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     return _train(runf, resume_dir)
 
 
-def _setup(runf: RunFile):
+def _setup(runf: RunFile, ranks: Ranks):
     d = runf.data
     if runf.train.torch_threads:
         # On a small machine torch's intra-op pool competes with infinity's
@@ -110,12 +116,13 @@ def _setup(runf: RunFile):
         torch.set_num_threads(runf.train.torch_threads)
     tokens, vocab_hint = open_tokens(d.path, d.format, d.dtype)
     model, loss_fn, vocab = build_model(runf.model, runf.config, d.seq_len, vocab_hint, runf.train.seed)
-    sampler = Sampler(tokens, d.seq_len, d.micro_batch, d.seed, vocab)
+    sampler = Sampler(tokens, d.seq_len, d.micro_batch, d.seed, vocab, ranks.rank, ranks.world)
     if runf.deepspeed_report is not None:
         # Again with the model: its "auto" sizes (stage3_prefetch_bucket_size) resolve from it.
         runf.config = Config.from_deepspeed(runf.source, model=model)
         runf.deepspeed_report = runf.config.report
-        print(runf.deepspeed_report.text(), file=sys.stderr)
+        if ranks.lead:
+            print(runf.deepspeed_report.text(), file=sys.stderr)
     o = runf.optimizer
     groups = param_groups(model, o.weight_decay, o.no_decay_norm_and_bias)
     model, optimizer = infinity.initialize(model, runf.config, param_groups=groups, lr=o.lr, betas=tuple(o.betas),
@@ -159,55 +166,74 @@ def _step(optimizer) -> Optional[BaseException]:
 
 
 def _train(runf: RunFile, resume_dir: Optional[str]) -> int:
-    model, optimizer, scheduler, sampler, loss_fn = _setup(runf)
+    ranks = start(runf.config.resolve_device())
     try:
-        start = 0
-        if resume_dir:
-            extra = infinity.load_checkpoint(resume_dir, model, optimizer, lr_scheduler=scheduler) or {}
-            start = int(extra.get("step", 0))
-            if "sampler" in extra:
-                sampler.load_state_dict(extra["sampler"])
-        return _loop(runf, model, optimizer, scheduler, sampler, loss_fn, start)
+        model, optimizer, scheduler, sampler, loss_fn = _setup(runf, ranks)
+        try:
+            first = 0
+            if resume_dir:
+                extra = infinity.load_checkpoint(resume_dir, model, optimizer, lr_scheduler=scheduler) or {}
+                first = int(extra.get("step", 0))
+                if "sampler" in extra:
+                    sampler.load_state_dict(extra["sampler"])
+            return _loop(runf, model, optimizer, scheduler, sampler, loss_fn, first, ranks)
+        finally:
+            infinity.close(model)
     finally:
-        infinity.close(model)
+        ranks.close()
 
 
-def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn, start: int) -> int:
+def _one_step(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn):
+    """One optimizer step of ``grad_accumulation`` micro-batches: (this
+    rank's loss, the lr it used, the MemoryPressureError it raised or None)."""
+    dev, accum = runf.config.resolve_device(), runf.data.grad_accumulation
+    total = 0.0
+    for _ in range(accum):
+        x, y = sampler.next_batch()
+        loss = loss_fn(model, x.to(dev), y.to(dev)) / accum
+        optimizer.scale_loss(loss).backward()
+        total += float(loss.detach())
+    lr = optimizer.param_groups[0]["lr"]
+    pressure = _step(optimizer)
+    optimizer.zero_grad()
+    if scheduler is not None:
+        scheduler.step()
+    return total, lr, pressure
+
+
+def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn, first: int, ranks: Ranks) -> int:
     d, ck = runf.data, runf.checkpoint
-    dev = runf.config.resolve_device()
-    accum = d.grad_accumulation
-    metrics = Metrics(runf.log.metrics, runf.log.every, runf.train.steps, start,
-                      d.micro_batch * d.seq_len * accum, runf.log.progress)
-    step, recs, pressure, saved_at, unsaved = start, [], None, None, ""
+    metrics = Metrics(runf.log.metrics if ranks.lead else None, runf.log.every, runf.train.steps, first,
+                      d.micro_batch * ranks.world * d.seq_len * d.grad_accumulation, runf.log.progress and ranks.lead,
+                      model_flops_per_token(model), peak_tflops(runf.config.resolve_device(),
+                                                                engine_of(model).modes.dtype), ranks.world)
+    step, recs, pressure, saved_at, unsaved = first, [], None, None, ""
+    stopping = pressed = False  # agreed by every rank after each step
     try:
         with _Interrupt() as stop:
-            while step < runf.train.steps and not stop.hit and pressure is None:
-                total = 0.0
-                for _ in range(accum):
-                    x, y = sampler.next_batch()
-                    loss = loss_fn(model, x.to(dev), y.to(dev)) / accum
-                    optimizer.scale_loss(loss).backward()
-                    total += float(loss.detach())
-                lr = optimizer.param_groups[0]["lr"]
-                pressure = _step(optimizer)
-                optimizer.zero_grad()
-                if scheduler is not None:
-                    scheduler.step()
+            while step < runf.train.steps and not stopping and not pressed:
+                total, lr, pressure = _one_step(runf, model, optimizer, scheduler, sampler, loss_fn)
+                total, _, pressed = agree(ranks, total, False, pressure is not None)
                 step += 1
                 rec = metrics.record(step, total, lr, infinity.stats(model))
                 recs = [recs[0] if recs else rec, rec]  # the first and the latest
-                if ck.dir and ck.every and step % ck.every == 0 and pressure is None:
+                if ck.dir and ck.every and step % ck.every == 0 and not pressed:
                     saved_at = _save(runf, model, optimizer, scheduler, step, sampler)
-            if ck.dir and saved_at != step and (stop.hit or pressure is not None or not ck.every or step % ck.every):
-                if pressure is None:
+                stopping = agree(ranks, 0.0, stop.hit, False)[1]  # a Ctrl-C up to now stops after this step
+            if ck.dir and saved_at != step and (stopping or pressed or not ck.every or step % ck.every):
+                if not pressed:
                     saved_at = _save(runf, model, optimizer, scheduler, step, sampler)
                 else:
                     saved_at, unsaved = _save_under_pressure(runf, model, optimizer, scheduler, step, sampler)
-            interrupted = stop.hit
+            interrupted = stopping
     finally:
         metrics.close()
-    if recs:
+    if recs and ranks.lead:
         _summary(recs[0], recs[-1])
+    if pressed and pressure is None:  # another rank ran short: this one stops with it
+        print(f"infinity train: rank {ranks.rank}: stopping after step {step}: memory pressure on another rank",
+              file=sys.stderr)
+        return 1
     if pressure is not None:
         print(f"infinity train: memory pressure after step {step}: " +
               (f"checkpoint of step {step} in {ck.dir} (resume with --resume)" if saved_at == step else

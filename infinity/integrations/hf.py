@@ -23,7 +23,10 @@ Trainer's loop are the ones infinity needs:
   ``resume_from_checkpoint`` loads it with ``infinity.load_checkpoint``;
 - the model is not moved: its parameters live in infinity's tiers
   (``Config.device``), and mixed precision is ``Config.dtype``, so the
-  Trainer's ``fp16``/``bf16`` flags are refused.
+  Trainer's ``fp16``/``bf16`` flags are refused;
+- under ``torchrun`` the model is not wrapped in DDP: infinity reduces the
+  gradients over the ranks itself (any ``Config.zero_stage``), and the
+  Trainer's distributed sampler gives each rank its share of the batch.
 
 See docs/huggingface.md.
 """
@@ -31,6 +34,7 @@ See docs/huggingface.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Optional
 
@@ -75,6 +79,13 @@ class InfinityTrainer(Trainer):
         # Accelerate would round-trip the optimizer's whole state through its
         # state_dict to "place" it, and move the model: neither applies here.
         self.accelerator.device_placement = False
+        # Nor wrap it in DDP on several ranks: infinity reduces the gradients
+        # itself (ZeRO or data parallelism over the same process group), and
+        # DDP's first act, broadcasting every parameter, reads ZeRO-3 shards.
+        self.accelerator.prepare_model = functools.partial(_unwrapped, self.accelerator.prepare_model, model)
+
+    def _move_model_to_device(self, model, device):
+        return None  # its parameters live in infinity's tiers (Config.device); see the module doc
 
     # -- gradients: clipped and measured by infinity -------------------------------------------
 
@@ -144,6 +155,12 @@ class InfinityTrainer(Trainer):
     def infinity_engine(self):
         """The engine managing the model (``infinity.stats(trainer.model)`` reads its counters)."""
         return engine_of(self.model)
+
+
+def _unwrapped(prepare_model, managed, model, device_placement=None, evaluation_mode=False):
+    """Accelerate's ``prepare_model``, with no DDP wrapper for ``managed``
+    (infinity's model): see ``InfinityTrainer.__init__``."""
+    return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode or model is managed)
 
 
 def _with_trainer_args(cfg: Config, args) -> Config:

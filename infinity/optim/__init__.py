@@ -1,6 +1,7 @@
 """Optimizers of infinity: the native CPU AdamW and its fused functional form.
 
-Owns: the AdamW maths over flat buffers (functional.py) and the
+Owns: the AdamW maths over flat buffers (functional.py), the bf16 and
+block-scaled 8-bit encodings of its moments (moments.py), and the
 torch.optim.Optimizer built on it (cpu_adamw.py). May import: io/ (the I/O
 engine's chunking), system/ (the native library), config/.
 """

@@ -7,6 +7,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from ..system import native
+from . import moments
 from .functional import adamw_step_, group_hyper
 
 __all__ = ["CPUAdamW"]
@@ -30,11 +31,18 @@ class CPUAdamW(torch.optim.Optimizer):
             torch.optim.Adam semantics (decay added to the gradient).
         num_threads: CPU threads of the kernel; default all CPUs of this
             process (or ``INFINITY_NUM_THREADS``).
+        moment_dtype: how ``exp_avg`` and ``exp_avg_sq`` are kept: ``"fp32"``
+            (default; torch's, 8 bytes a parameter), ``"bf16"`` (4 bytes,
+            rounded to nearest even) or ``"int8"`` (block-scaled 8-bit codes,
+            ~2.03 bytes); see :mod:`infinity.optim.moments`.
 
     State per parameter uses torch.optim.AdamW's keys (``step``,
-    ``exp_avg``, ``exp_avg_sq``), so state dicts move between the two both
-    ways. Hyper-parameters may differ per param group and may be changed by
-    torch LR schedulers between steps.
+    ``exp_avg``, ``exp_avg_sq``; int8 adds ``exp_avg_scale`` and
+    ``exp_avg_sq_scale``). :meth:`state_dict` always gives torch's format
+    (fp32 moments, dequantised), and :meth:`load_state_dict` converts what
+    it loads to ``moment_dtype``, so state dicts move between this and
+    torch.optim.AdamW both ways. Hyper-parameters may differ per param group
+    and may be changed by torch LR schedulers between steps.
     """
 
     def __init__(
@@ -47,7 +55,9 @@ class CPUAdamW(torch.optim.Optimizer):
         *,
         adamw_mode: bool = True,
         num_threads: Optional[int] = None,
+        moment_dtype: str = "fp32",
     ) -> None:
+        self.moment_dtype = moments.check_moment_dtype(moment_dtype, "CPUAdamW moment_dtype")
         if isinstance(lr, torch.Tensor):
             lr = float(lr)
         group_hyper(dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), "CPUAdamW")
@@ -125,23 +135,62 @@ class CPUAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                for key in ("exp_avg", "exp_avg_sq"):
-                    s = state[key]
-                    if s.dtype != torch.float32 or s.device.type != "cpu" or not s.is_contiguous() \
-                            or s.shape != p.shape:
-                        state[key] = s.to(device="cpu", dtype=torch.float32).contiguous().view_as(p)
+                    zero = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state.update(moments.encode(zero, zero, self.moment_dtype))
+                self._own_moments(p, state)
                 step_t = state["step"]
                 step_t += 1
                 step = int(step_t.item())
-                bucket = buckets.setdefault(step, ([], [], [], []))
-                bucket[0].append(p)
-                bucket[1].append(g)
-                bucket[2].append(state["exp_avg"])
-                bucket[3].append(state["exp_avg_sq"])
-            for step, (ps, gs, ms, vs) in buckets.items():
+                bucket = buckets.setdefault(step, ([], [], [], [], [], []))
+                for k, t in enumerate((p, g, state["exp_avg"], state["exp_avg_sq"],
+                                       state.get("exp_avg_scale"), state.get("exp_avg_sq_scale"))):
+                    bucket[k].append(t)
+            q8 = self.moment_dtype == "int8"
+            for step, (ps, gs, ms, vs, mss, vss) in buckets.items():
                 adamw_step_(ps, gs, ms, vs, step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                             weight_decay=h.weight_decay, adamw_mode=h.adamw_mode, grad_scale=h.sign,
-                            num_threads=group.get("num_threads"), validate=False)
+                            num_threads=group.get("num_threads"), validate=False,
+                            exp_avg_scales=mss if q8 else None, exp_avg_sq_scales=vss if q8 else None)
         return loss
+
+    def _own_moments(self, p: torch.Tensor, state: dict) -> None:
+        """Makes ``state``'s moments what the kernel takes: ``moment_dtype``,
+        contiguous CPU tensors of p's shape (a state loaded from elsewhere is
+        converted once; see :mod:`infinity.optim.moments`)."""
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        want = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[self.moment_dtype]
+        if all(s.dtype == want and s.device.type == "cpu" and s.is_contiguous() and s.shape == p.shape
+               for s in (m, v)) and (want != torch.uint8 or "exp_avg_scale" in state):
+            return
+        if m.dtype != torch.uint8:  # fp32 moments of another dtype, device or layout: cast, as torch would
+            m = m.to(device="cpu", dtype=torch.float32).reshape(p.shape)
+            v = v.to(device="cpu", dtype=torch.float32).reshape(p.shape)
+        else:
+            m, v = moments.decode(state)
+        for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+            state.pop(key, None)
+        state.update(moments.encode(m.view_as(p), v.view_as(p), self.moment_dtype))
+
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's state dict: moments as fp32 tensors (bf16 and
+        int8 moments dequantised; the int8 scales are not in it)."""
+        sd = super().state_dict()
+        if self.moment_dtype != "fp32":
+            sd["state"] = {k: self._torch_state(s) for k, s in sd["state"].items()}
+        return sd
+
+    @staticmethod
+    def _torch_state(state: dict) -> dict:
+        out = {k: v for k, v in state.items() if k not in ("exp_avg_scale", "exp_avg_sq_scale")}
+        if "exp_avg" in state:
+            out["exp_avg"], out["exp_avg_sq"] = moments.decode(state)
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads torch's format (any float moments) and stores the moments as ``moment_dtype``."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "exp_avg" in state:
+                    self._own_moments(p, state)

@@ -1,7 +1,8 @@
 """Fused AdamW step over fp32 CPU buffers: the maths of infinity's optimizer.
 
 One call updates, in a single pass over memory, fp32 master weights and their
-fp32 ``exp_avg``/``exp_avg_sq`` from gradients that are fp32, bf16 or fp16,
+``exp_avg``/``exp_avg_sq`` (fp32, bf16, or block-scaled 8-bit codes: see
+:mod:`infinity.optim.moments`) from gradients that are fp32, bf16 or fp16,
 and optionally writes the updated weights as bf16/fp16/fp32 into a second
 buffer (the compute copy the offload engine sends to the device).
 
@@ -20,11 +21,14 @@ import torch
 
 from ..system import native
 from ..io.engine import chunk_count
+from . import moments as _moments
 
 __all__ = ["group_hyper", "Hyper", "adamw_step_", "check_hyperparameters"]
 
 _GRAD_DT = {torch.float32: native.DT_F32, torch.bfloat16: native.DT_BF16, torch.float16: native.DT_F16}
 _OUT_DT = _GRAD_DT
+# Moment dtype of the exp_avg buffers: fp32, bf16, or uint8 codes (int8 with block scales).
+_MOMENT_DT = {torch.float32: native.DT_F32, torch.bfloat16: native.DT_BF16, torch.uint8: native.DT_I8}
 
 
 def check_hyperparameters(lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
@@ -127,6 +131,8 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
                 eps: float, weight_decay: float, adamw_mode: bool = True, grad_scale: float = 1.0,
                 outs: Optional[Sequence[torch.Tensor]] = None, num_threads: Optional[int] = None,
                 validate: bool = True, sum_chunk_bytes: Optional[int] = None,
+                exp_avg_scales: Optional[Sequence[torch.Tensor]] = None,
+                exp_avg_sq_scales: Optional[Sequence[torch.Tensor]] = None,
                 ) -> Optional[List[Tuple[array.array, array.array, array.array]]]:
     """One AdamW (``adamw_mode=True``) or Adam-with-L2 step, in place.
 
@@ -134,7 +140,13 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
         params: fp32 CPU master weights (updated in place).
         grads: gradients, fp32, bf16 or fp16, one dtype for the whole call;
             multiplied by ``grad_scale`` first (pass ``1/loss_scale`` to unscale).
-        exp_avgs, exp_avg_sqs: fp32 moments (updated in place).
+        exp_avgs, exp_avg_sqs: moments, updated in place, one dtype for the
+            call: fp32; bf16 (stored rounded to nearest even); or uint8 codes
+            of block-scaled 8-bit moments (``exp_avg_sqs`` then holds codes of
+            sqrt(exp_avg_sq)), which need ``exp_avg_scales`` and
+            ``exp_avg_sq_scales``: fp32, ``moments.num_blocks(numel)`` each,
+            updated in place. :func:`infinity.optim.moments.encode` makes them
+            from fp32 moments; all-zero codes and scales are moments of zero.
         step: the step number after incrementing (1 for the first step), used
             for the bias corrections ``1 - beta**step``.
         outs: optional copy-out buffers, one dtype for the call (bf16, fp16 or
@@ -158,13 +170,26 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
         return [] if sum_chunk_bytes is not None else None
     gdtype = grads[0].dtype
     odtype = outs[0].dtype if outs is not None else None
+    mdtype = exp_avgs[0].dtype
     if validate:
         _check_call(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, step, lr, beta1, beta2, eps,
                     weight_decay)
+        _check_moments(params, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, mdtype)
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
     if sum_chunk_bytes is not None:
         _check_sum_chunk_bytes(sum_chunk_bytes)
+        if mdtype != torch.float32:
+            raise ValueError(f"adamw_step_(sum_chunk_bytes=...) takes fp32 moments only, got {mdtype}")
+    if mdtype != torch.float32:
+        scales = (exp_avg_scales, exp_avg_sq_scales)
+        if native.available():
+            _native_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, scales, outs, gdtype, odtype, lr, beta1,
+                                beta2, eps, weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads)
+        else:
+            _fallback_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, scales, outs, lr, beta1, beta2, eps,
+                                  weight_decay, bc1, bc2, grad_scale, adamw_mode)
+        return None
     if native.available():
         return _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
                             weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads, sum_chunk_bytes)
@@ -193,10 +218,32 @@ def _check_call(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, step
         numel = params[i].numel() if isinstance(params[i], torch.Tensor) else -1
         _check_buffer(params[i], "params", i, numel, (torch.float32,))
         _check_buffer(grads[i], "grads", i, numel, (gdtype,) if gdtype in _GRAD_DT else tuple(_GRAD_DT))
-        _check_buffer(exp_avgs[i], "exp_avgs", i, numel, (torch.float32,))
-        _check_buffer(exp_avg_sqs[i], "exp_avg_sqs", i, numel, (torch.float32,))
+        _check_buffer(exp_avgs[i], "exp_avgs", i, numel, tuple(_MOMENT_DT))
+        _check_buffer(exp_avg_sqs[i], "exp_avg_sqs", i, numel, tuple(_MOMENT_DT))
         if outs is not None:
             _check_buffer(outs[i], "outs", i, numel, (odtype,) if odtype in _OUT_DT else tuple(_OUT_DT))
+
+
+def _check_moments(params, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, mdtype) -> None:
+    """One moment dtype for the call; block scales exactly when it is uint8 (8-bit codes)."""
+    for what, ts in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        for i, t in enumerate(ts):
+            if t.dtype != mdtype:
+                raise TypeError(f"{what}[{i}] has dtype {t.dtype} but exp_avgs[0] has {mdtype}; "
+                                "the moments of one call share one dtype")
+    scales = (("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales))
+    if mdtype != torch.uint8:
+        for what, s in scales:
+            if s is not None:
+                raise ValueError(f"{what} given for {mdtype} moments; block scales belong to uint8 (8-bit) "
+                                 "moments only")
+        return
+    for what, s in scales:
+        if s is None or len(s) != len(params):
+            raise ValueError(f"8-bit (uint8) moments need {what}, one fp32 tensor per parameter "
+                             f"(got {'none' if s is None else len(s)} for {len(params)} parameters)")
+        for i, t in enumerate(s):
+            _check_buffer(t, what, i, _moments.num_blocks(params[i].numel()), (torch.float32,))
 
 
 def _check_sum_chunk_bytes(sum_chunk_bytes: int) -> None:
@@ -235,6 +282,45 @@ def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr,
         raise RuntimeError(f"inf_adam_step failed with code {rc} "
                            f"({'bad argument' if rc == native.E_INVAL else 'ISA unavailable'})")
     return sums
+
+
+def _native_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, scales, outs, gdtype, odtype, lr, beta1, beta2,
+                        eps, weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads) -> None:
+    """inf_adam_step_moments over bf16 or 8-bit moments."""
+    n = len(params)
+    mdt = _MOMENT_DT[exp_avgs[0].dtype]
+    ptrs = [t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts]
+    ptrs += [t.data_ptr() for t in outs] if outs is not None else [0] * n
+    for s in scales:
+        ptrs += [t.data_ptr() for t in s] if mdt == native.DT_I8 else [0] * n
+    ptr_arr = native.carray(ctypes.c_int64, 7 * n)(*ptrs)
+    numel_arr = native.carray(ctypes.c_int64, n)(*[t.numel() for t in params])
+    hp = native.AdamHParams(lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, int(bool(adamw_mode)),
+                            num_threads or native.default_num_threads())
+    odt = _OUT_DT[odtype] if odtype is not None else native.DT_NONE
+    rc = native.lib().inf_adam_step_moments(native.selected_isa(), n, ptr_arr, numel_arr, _GRAD_DT[gdtype], odt,
+                                            mdt, ctypes.byref(hp))
+    if rc != 0:
+        raise RuntimeError(f"inf_adam_step_moments failed with code {rc} "
+                           f"({'bad argument' if rc == native.E_INVAL else 'ISA unavailable'})")
+
+
+def _fallback_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, scales, outs, lr, beta1, beta2, eps,
+                          weight_decay, bc1, bc2, grad_scale, adamw_mode) -> None:
+    """bf16/8-bit moments without the native library: widen, step in fp32, store back."""
+    for i in range(len(params)):
+        state = {"exp_avg": exp_avgs[i], "exp_avg_sq": exp_avg_sqs[i]}
+        if exp_avgs[i].dtype == torch.uint8:
+            state.update(exp_avg_scale=scales[0][i], exp_avg_sq_scale=scales[1][i])
+        m, v = _moments.decode(state)
+        _fallback_step([params[i]], [grads[i]], [m], [v], [outs[i]] if outs is not None else None, lr, beta1,
+                       beta2, eps, weight_decay, bc1, bc2, grad_scale, adamw_mode)
+        new = _moments.encode(m, v, "int8" if exp_avgs[i].dtype == torch.uint8 else "bf16")
+        exp_avgs[i].copy_(new["exp_avg"])
+        exp_avg_sqs[i].copy_(new["exp_avg_sq"])
+        if exp_avgs[i].dtype == torch.uint8:
+            scales[0][i].copy_(new["exp_avg_scale"])
+            scales[1][i].copy_(new["exp_avg_sq_scale"])
 
 
 def _fallback_step(params, grads, exp_avgs, exp_avg_sqs, outs, lr, beta1, beta2, eps, weight_decay,

@@ -35,7 +35,8 @@ __all__ = ["info", "available", "use_simd", "simd_levels", "default_num_threads"
 ISA_NAMES = ("scalar", "avx2", "avx512", "neon")
 _ISA_INDEX = {n: i for i, n in enumerate(ISA_NAMES)}
 
-DT_NONE, DT_F32, DT_BF16, DT_F16 = 0, 1, 2, 3
+DT_NONE, DT_F32, DT_BF16, DT_F16, DT_I8 = 0, 1, 2, 3, 4
+QBLOCK = 256  # elements a block of 8-bit moments (INF_QBLOCK in infinity_native.h)
 
 E_INVAL, E_ISA = -1, -2
 
@@ -107,6 +108,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.inf_probe_step.restype = c.c_int32
     lib.inf_probe_step.argtypes = [c.c_int32, c.c_int64, c.c_void_p, c.c_void_p, c.c_int32, c.c_int32,
                                    c.c_int32]
+    lib.inf_adam_step_moments.restype = c.c_int32
+    lib.inf_adam_step_moments.argtypes = [c.c_int32, c.c_int64, c.c_void_p, c.c_void_p, c.c_int32, c.c_int32,
+                                          c.c_int32, c.POINTER(AdamHParams)]
+    lib.inf_probe_step_moments.restype = c.c_int32
+    lib.inf_probe_step_moments.argtypes = [c.c_int32, c.c_int64, c.c_void_p, c.c_void_p, c.c_int32, c.c_int32,
+                                           c.c_int32, c.c_int32]
 
 
 def lib() -> ctypes.CDLL:

@@ -33,6 +33,10 @@ extern "C" {
 #define INF_DT_F32 1
 #define INF_DT_BF16 2
 #define INF_DT_F16 3
+/* Moments only: block-scaled 8-bit codes, one fp32 scale per block of
+ * INF_QBLOCK elements ([Note: 8-bit moments] in native/src/adam_q8.inc). */
+#define INF_DT_I8 4
+#define INF_QBLOCK 256
 
 /* Hyper-parameters of one AdamW/Adam call. Doubles, as Python floats are:
  * derived constants (step size, 1 - beta, ...) are computed in double and
@@ -86,6 +90,20 @@ INF_API int32_t inf_adam_step_sums(int32_t isa, int64_t n_tensors, const int64_t
                                    const int64_t* numels, int32_t grad_dtype, int32_t out_dtype,
                                    const inf_adam_hparams* hp, int64_t chunk_bytes, const int64_t* sums);
 
+/* inf_adam_step with the moments stored as moment_dtype: F32 (exactly
+ * inf_adam_step), BF16 (rounded to nearest even) or I8 (block-scaled codes).
+ * ptrs holds 7*n_tensors addresses: the five arrays of inf_adam_step (with
+ * exp_avg and exp_avg_sq of moment_dtype), then
+ *   exp_avg_scale[n], exp_avg_sq_scale[n]  fp32, ceil(numels[i]/INF_QBLOCK)
+ *                                          each, updated in place (I8 only;
+ *                                          ignored otherwise)
+ * A tensor's blocks start at its element 0, so a shard stepped on its own
+ * must start at a multiple of INF_QBLOCK of its tensor. Scales of a new state
+ * are 0 with all-zero codes (moments of zero). */
+INF_API int32_t inf_adam_step_moments(int32_t isa, int64_t n_tensors, const int64_t* ptrs,
+                                      const int64_t* numels, int32_t grad_dtype, int32_t out_dtype,
+                                      int32_t moment_dtype, const inf_adam_hparams* hp);
+
 /* Memory-bandwidth probe with exactly the access pattern of inf_adam_step
  * (same loads, in-place stores and copy-out, same threading and ISA), but
  * trivial arithmetic. Its time gives the Adam roofline of this machine.
@@ -93,6 +111,10 @@ INF_API int32_t inf_adam_step_sums(int32_t isa, int64_t n_tensors, const int64_t
 INF_API int32_t inf_probe_step(int32_t isa, int64_t n_tensors, const int64_t* ptrs,
                                const int64_t* numels, int32_t grad_dtype, int32_t out_dtype,
                                int32_t num_threads);
+/* The probe of inf_adam_step_moments (ptrs as there). */
+INF_API int32_t inf_probe_step_moments(int32_t isa, int64_t n_tensors, const int64_t* ptrs,
+                                       const int64_t* numels, int32_t grad_dtype, int32_t out_dtype,
+                                       int32_t moment_dtype, int32_t num_threads);
 
 #ifdef __cplusplus
 }

@@ -52,13 +52,6 @@ RangeFn range_fn(int32_t isa) {
   }
 }
 
-// Below this many elements per thread, waking another thread costs more than
-// it saves (~10 us of work at memory speed).
-constexpr int64_t kMinElemsPerThread = 1 << 15;
-// Thread chunks start at multiples of this many elements (one 64-byte line
-// of fp32 and of bf16), so threads never share a cache line of a buffer.
-constexpr int64_t kChunkAlign = 64;
-
 struct Job {
   RangeFn fn;
   const int64_t* ptrs;
@@ -211,6 +204,24 @@ int32_t run(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* 
 
 }  // namespace
 
+namespace infinity_native {
+AdamConsts adam_consts(const inf_adam_hparams& hp) {
+  AdamConsts c;
+  const double lr = hp.lr, wd = hp.weight_decay;
+  c.adamw = hp.adamw_mode != 0;
+  c.lr_decay = c.adamw ? static_cast<float>(1.0 - lr * wd) : 1.0f;
+  c.l2 = c.adamw ? 0.0f : static_cast<float>(wd);
+  c.one_minus_b1 = static_cast<float>(1.0 - hp.beta1);
+  c.beta2 = static_cast<float>(hp.beta2);
+  c.one_minus_b2 = static_cast<float>(1.0 - hp.beta2);
+  c.neg_step_size = static_cast<float>(-(lr / hp.bias_correction1));
+  c.bc2_sqrt = static_cast<float>(sqrt(hp.bias_correction2));
+  c.eps = static_cast<float>(hp.eps);
+  c.grad_scale = static_cast<float>(hp.grad_scale);
+  return c;
+}
+}  // namespace infinity_native
+
 extern "C" {
 
 uint32_t inf_isa_compiled(void) { return compiled_mask(); }
@@ -232,18 +243,7 @@ int32_t adam_call(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int
                   int32_t grad_dtype, int32_t out_dtype, const inf_adam_hparams* hp, int64_t chunk_bytes,
                   const int64_t* sums) {
   if (!hp) return INF_E_INVAL;
-  AdamConsts c;
-  const double lr = hp->lr, wd = hp->weight_decay;
-  c.adamw = hp->adamw_mode != 0;
-  c.lr_decay = c.adamw ? static_cast<float>(1.0 - lr * wd) : 1.0f;
-  c.l2 = c.adamw ? 0.0f : static_cast<float>(wd);
-  c.one_minus_b1 = static_cast<float>(1.0 - hp->beta1);
-  c.beta2 = static_cast<float>(hp->beta2);
-  c.one_minus_b2 = static_cast<float>(1.0 - hp->beta2);
-  c.neg_step_size = static_cast<float>(-(lr / hp->bias_correction1));
-  c.bc2_sqrt = static_cast<float>(sqrt(hp->bias_correction2));
-  c.eps = static_cast<float>(hp->eps);
-  c.grad_scale = static_cast<float>(hp->grad_scale);
+  const AdamConsts c = adam_consts(*hp);
   return run(isa, n_tensors, ptrs, numels, grad_dtype, out_dtype, c, hp->num_threads, false, chunk_bytes, sums);
 }
 }  // namespace

@@ -53,15 +53,55 @@ struct Vec {
   static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static inline V sqrt(V a) { return _mm256_sqrt_ps(a); }
   static inline V div(V a, V b) { return _mm256_div_ps(a, b); }
+  // Integer lanes and masks of the 8-bit moment codes (adam_q8.inc).
+  using I = __m256i;
+  using M = __m256;
+  static inline I ibits(V x) { return _mm256_castps_si256(x); }
+  static inline V fbits(I x) { return _mm256_castsi256_ps(x); }
+  static inline I iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static inline I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static inline I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static inline I iand(I a, I b) { return _mm256_and_si256(a, b); }
+  static inline I ior(I a, I b) { return _mm256_or_si256(a, b); }
+  template <int N> static inline I isrl(I a) { return _mm256_srli_epi32(a, N); }
+  template <int N> static inline I isll(I a) { return _mm256_slli_epi32(a, N); }
+  static inline V i2f(I a) { return _mm256_cvtepi32_ps(a); }
+  static inline M ieq(I a, I b) { return _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)); }
+  static inline M ilt(I a, I b) { return _mm256_castsi256_ps(_mm256_cmpgt_epi32(b, a)); }
+  static inline M lt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static inline M eq(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+  static inline M isnan(V a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
+  static inline V select(M k, V a, V b) { return _mm256_blendv_ps(b, a, k); }
+  static inline I iselect(M k, I a, I b) { return ibits(_mm256_blendv_ps(fbits(b), fbits(a), k)); }
+  static inline V abs(V a) { return _mm256_and_ps(a, fbits(iset1(0x7FFFFFFFu))); }
+  static inline V max(V a, V b) { return _mm256_max_ps(a, b); }  // never given NaN
+  static inline float hmax(V a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+  }
+  static inline I load_u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline void store_u8(uint8_t* p, I x) {  // lanes hold 0..255
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(x, x), _mm256_packus_epi32(x, x));
+    const __m256i q = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(q));
+  }
 };
 
 #include "adam_kernel.inc"
+#include "adam_q8.inc"
 }  // namespace
 
 namespace avx2 {
 void adam_range(float* p, const void* g, float* m, float* v, void* out, int64_t n, int32_t gdt,
                 int32_t odt, const AdamConsts& c, bool probe) {
   adam_range_entry(p, g, m, v, out, n, gdt, odt, c, probe);
+}
+void lowbit_range(float* p, const void* g, void* m, void* v, float* ms, float* vs, void* out, int64_t n,
+                  int32_t gdt, int32_t odt, int32_t mdt, const AdamConsts& c, bool probe) {
+  lowbit_range_entry(p, g, m, v, ms, vs, out, n, gdt, odt, mdt, c, probe);
 }
 }  // namespace avx2
 }  // namespace infinity_native

@@ -50,15 +50,49 @@ struct Vec {
   static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static inline V sqrt(V a) { return _mm512_sqrt_ps(a); }
   static inline V div(V a, V b) { return _mm512_div_ps(a, b); }
+  // Integer lanes and masks of the 8-bit moment codes (adam_q8.inc).
+  using I = __m512i;
+  using M = __mmask16;
+  static inline I ibits(V x) { return _mm512_castps_si512(x); }
+  static inline V fbits(I x) { return _mm512_castsi512_ps(x); }
+  static inline I iset1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static inline I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static inline I iand(I a, I b) { return _mm512_and_si512(a, b); }
+  static inline I ior(I a, I b) { return _mm512_or_si512(a, b); }
+  template <int N> static inline I isrl(I a) { return _mm512_srli_epi32(a, N); }
+  template <int N> static inline I isll(I a) { return _mm512_slli_epi32(a, N); }
+  static inline V i2f(I a) { return _mm512_cvtepi32_ps(a); }
+  static inline M ieq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  static inline M ilt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
+  static inline M lt(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static inline M eq(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static inline M isnan(V a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  static inline V select(M k, V a, V b) { return _mm512_mask_blend_ps(k, b, a); }
+  static inline I iselect(M k, I a, I b) { return _mm512_mask_blend_epi32(k, b, a); }
+  static inline V abs(V a) { return fbits(iand(ibits(a), iset1(0x7FFFFFFFu))); }
+  static inline V max(V a, V b) { return _mm512_max_ps(a, b); }  // never given NaN
+  static inline float hmax(V a) { return _mm512_reduce_max_ps(a); }
+  static inline I load_u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline void store_u8(uint8_t* p, I x) {  // lanes hold 0..255
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
 };
 
 #include "adam_kernel.inc"
+#include "adam_q8.inc"
 }  // namespace
 
 namespace avx512 {
 void adam_range(float* p, const void* g, float* m, float* v, void* out, int64_t n, int32_t gdt,
                 int32_t odt, const AdamConsts& c, bool probe) {
   adam_range_entry(p, g, m, v, out, n, gdt, odt, c, probe);
+}
+void lowbit_range(float* p, const void* g, void* m, void* v, float* ms, float* vs, void* out, int64_t n,
+                  int32_t gdt, int32_t odt, int32_t mdt, const AdamConsts& c, bool probe) {
+  lowbit_range_entry(p, g, m, v, ms, vs, out, n, gdt, odt, mdt, c, probe);
 }
 }  // namespace avx512
 }  // namespace infinity_native

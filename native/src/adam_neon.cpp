@@ -45,15 +45,53 @@ struct Vec {
   static inline V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }  // c + a*b, one rounding
   static inline V sqrt(V a) { return vsqrtq_f32(a); }
   static inline V div(V a, V b) { return vdivq_f32(a, b); }
+  // Integer lanes and masks of the 8-bit moment codes (adam_q8.inc).
+  using I = uint32x4_t;
+  using M = uint32x4_t;
+  static inline I ibits(V x) { return vreinterpretq_u32_f32(x); }
+  static inline V fbits(I x) { return vreinterpretq_f32_u32(x); }
+  static inline I iset1(uint32_t x) { return vdupq_n_u32(x); }
+  static inline I iadd(I a, I b) { return vaddq_u32(a, b); }
+  static inline I isub(I a, I b) { return vsubq_u32(a, b); }
+  static inline I iand(I a, I b) { return vandq_u32(a, b); }
+  static inline I ior(I a, I b) { return vorrq_u32(a, b); }
+  template <int N> static inline I isrl(I a) { return vshrq_n_u32(a, N); }
+  template <int N> static inline I isll(I a) { return vshlq_n_u32(a, N); }
+  static inline V i2f(I a) { return vcvtq_f32_s32(vreinterpretq_s32_u32(a)); }
+  static inline M ieq(I a, I b) { return vceqq_u32(a, b); }
+  static inline M ilt(I a, I b) { return vcltq_s32(vreinterpretq_s32_u32(a), vreinterpretq_s32_u32(b)); }
+  static inline M lt(V a, V b) { return vcltq_f32(a, b); }
+  static inline M eq(V a, V b) { return vceqq_f32(a, b); }
+  static inline M isnan(V a) { return vmvnq_u32(vceqq_f32(a, a)); }
+  static inline V select(M k, V a, V b) { return vbslq_f32(k, a, b); }
+  static inline I iselect(M k, I a, I b) { return vbslq_u32(k, a, b); }
+  static inline V abs(V a) { return vabsq_f32(a); }
+  static inline V max(V a, V b) { return vmaxq_f32(a, b); }  // never given NaN
+  static inline float hmax(V a) { return vmaxvq_f32(a); }
+  static inline I load_u8(const uint8_t* p) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(w)))));
+  }
+  static inline void store_u8(uint8_t* p, I x) {  // lanes hold 0..255
+    const uint16x4_t h = vmovn_u32(x);
+    const uint32_t w = vget_lane_u32(vreinterpret_u32_u8(vmovn_u16(vcombine_u16(h, h))), 0);
+    memcpy(p, &w, 4);
+  }
 };
 
 #include "adam_kernel.inc"
+#include "adam_q8.inc"
 }  // namespace
 
 namespace neon {
 void adam_range(float* p, const void* g, float* m, float* v, void* out, int64_t n, int32_t gdt,
                 int32_t odt, const AdamConsts& c, bool probe) {
   adam_range_entry(p, g, m, v, out, n, gdt, odt, c, probe);
+}
+void lowbit_range(float* p, const void* g, void* m, void* v, float* ms, float* vs, void* out, int64_t n,
+                  int32_t gdt, int32_t odt, int32_t mdt, const AdamConsts& c, bool probe) {
+  lowbit_range_entry(p, g, m, v, ms, vs, out, n, gdt, odt, mdt, c, probe);
 }
 }  // namespace neon
 }  // namespace infinity_native

@@ -22,22 +22,44 @@ struct AdamConsts {
   bool adamw;           // decoupled weight decay
 };
 
+// The constants of one call's hyper-parameters (adam.cpp).
+AdamConsts adam_consts(const inf_adam_hparams& hp);
+
+// Below this many elements per thread, waking another thread costs more than
+// it saves (~10 us of work at memory speed).
+constexpr int64_t kMinElemsPerThread = 1 << 15;
+// Thread chunks start at multiples of this many elements (one 64-byte line
+// of fp32 and of bf16), so threads never share a cache line of a buffer.
+constexpr int64_t kChunkAlign = 64;
+
 // Updates elements [0, n) of one tensor. g and out are typed by the dtypes.
 // probe=true replaces the maths by trivial adds with the same memory traffic.
 using RangeFn = void (*)(float* p, const void* g, float* m, float* v, void* out, int64_t n,
                          int32_t grad_dtype, int32_t out_dtype, const AdamConsts& c, bool probe);
 
+// The same over bf16 (mdt = INF_DT_BF16) or 8-bit (INF_DT_I8) moments m, v; for
+// 8-bit, [0, n) starts at a block boundary and ms, vs are its blocks' scales.
+using LowbitRangeFn = void (*)(float* p, const void* g, void* m, void* v, float* ms, float* vs, void* out,
+                               int64_t n, int32_t grad_dtype, int32_t out_dtype, int32_t moment_dtype,
+                               const AdamConsts& c, bool probe);
+#define INF_LOWBIT_DECL void lowbit_range(float*, const void*, void*, void*, float*, float*, void*, int64_t, \
+                                          int32_t, int32_t, int32_t, const AdamConsts&, bool);
+
 #if defined(INF_HAVE_SCALAR)
-namespace scalar { void adam_range(float*, const void*, float*, float*, void*, int64_t, int32_t, int32_t, const AdamConsts&, bool); }
+namespace scalar { void adam_range(float*, const void*, float*, float*, void*, int64_t, int32_t, int32_t, const AdamConsts&, bool);
+INF_LOWBIT_DECL }
 #endif
 #if defined(INF_HAVE_AVX2)
-namespace avx2 { void adam_range(float*, const void*, float*, float*, void*, int64_t, int32_t, int32_t, const AdamConsts&, bool); }
+namespace avx2 { void adam_range(float*, const void*, float*, float*, void*, int64_t, int32_t, int32_t, const AdamConsts&, bool);
+INF_LOWBIT_DECL }
 #endif
 #if defined(INF_HAVE_AVX512)
-namespace avx512 { void adam_range(float*, const void*, float*, float*, void*, int64_t, int32_t, int32_t, const AdamConsts&, bool); }
+namespace avx512 { void adam_range(float*, const void*, float*, float*, void*, int64_t, int32_t, int32_t, const AdamConsts&, bool);
+INF_LOWBIT_DECL }
 #endif
 #if defined(INF_HAVE_NEON)
-namespace neon { void adam_range(float*, const void*, float*, float*, void*, int64_t, int32_t, int32_t, const AdamConsts&, bool); }
+namespace neon { void adam_range(float*, const void*, float*, float*, void*, int64_t, int32_t, int32_t, const AdamConsts&, bool);
+INF_LOWBIT_DECL }
 #endif
 
 }  // namespace infinity_native

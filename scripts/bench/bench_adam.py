@@ -17,10 +17,13 @@ hits every method alike:
   ours_mixed      infinity.optim.adamw_step_(bf16 grads, outs=bf16)
   torch_fused+copy  torch fused AdamW (fp32 grads), then param.to(bf16) into a buffer
   probe_f32g_bf16o / ours_f32g_bf16o   fp32 grads + bf16 copy out (30 B/param)
+  probe_m_bf16 / ours_m_bf16   ours_mixed with bf16 moments (20 B/param)
+  probe_m_int8 / ours_m_int8   ours_mixed with block-scaled 8-bit moments
+                  (16.06 B/param: codes + one fp32 scale per 256 per moment)
   deepspeed       DeepSpeedCPUAdam, only when deepspeed is importable
 
 All methods share the same parameter, gradient and moment buffers (so memory
-use stays ~20 bytes a parameter), whose start addresses are staggered: equal
+use stays ~30 bytes a parameter with the low-bit moments' own), whose start addresses are staggered: equal
 addresses modulo a large power of two cut bandwidth (../shared/README.md).
 
 The probe runs the kernel's exact loads and stores with trivial arithmetic in
@@ -48,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import infinity  # noqa: E402
 from infinity.system import native  # noqa: E402
-from infinity.optim import CPUAdamW, adamw_step_  # noqa: E402
+from infinity.optim import CPUAdamW, adamw_step_, moments  # noqa: E402
 from _common import write_json  # noqa: E402
 
 STAGGER_ELEMS = 1040  # 4160 bytes: moves each buffer by one page + one cache line
@@ -108,6 +111,50 @@ class Setup:
             self.ds = None
         numel = [x.numel() for x in self.views["p"]]
         self.numels = (ctypes.c_int64 * len(numel))(*numel)
+        self._low_bit_moments(n, size)
+
+    def _low_bit_moments(self, n: int, size: int) -> None:
+        """bf16 and 8-bit copies of the moments, views per tensor (size is a
+        multiple of the 8-bit block, so every view starts on a block)."""
+        self.mb = staggered(n, 6, torch.bfloat16)
+        self.vb = staggered(n, 7, torch.bfloat16)
+        self.mq = staggered(n, 8, torch.uint8)
+        self.vq = staggered(n, 9, torch.uint8)
+        nb = moments.num_blocks(n)
+        self.ms, self.vs = torch.empty(nb), torch.empty(nb)
+        step = 1 << 22
+        for i in range(0, n, step):  # slices of whole blocks: bounded temporaries
+            st = moments.encode(self.m[i:i + step], self.v[i:i + step], "int8")
+            b = i // moments.QBLOCK
+            self.mq[i:i + step], self.vq[i:i + step] = st["exp_avg"], st["exp_avg_sq"]
+            self.ms[b:b + st["exp_avg_scale"].numel()] = st["exp_avg_scale"]
+            self.vs[b:b + st["exp_avg_sq_scale"].numel()] = st["exp_avg_sq_scale"]
+            self.mb[i:i + step], self.vb[i:i + step] = self.m[i:i + step], self.v[i:i + step]
+        for name in ("mb", "vb", "mq", "vq"):
+            self.views[name] = chunks(getattr(self, name), size)
+        self.views["ms"] = chunks(self.ms, size // moments.QBLOCK)
+        self.views["vs"] = chunks(self.vs, size // moments.QBLOCK)
+
+    def probe_moments(self, mdt: int) -> None:
+        """The probe of the low-bit kernels (bf16 grads in, bf16 copy out)."""
+        v = self.views
+        m, s = ("mb", "vb") if mdt == native.DT_BF16 else ("mq", "vq")
+        ptrs = [x.data_ptr() for k in ("p", "gb", m, s, "ob") for x in v[k]]
+        k = len(v["p"])
+        ptrs += [x.data_ptr() for x in v["ms"]] + [x.data_ptr() for x in v["vs"]] if mdt == native.DT_I8 else [0] * 2 * k
+        arr = (ctypes.c_int64 * len(ptrs))(*ptrs)
+        rc = native.lib().inf_probe_step_moments(native.selected_isa(), k, arr, self.numels, native.DT_BF16,
+                                                 native.DT_BF16, mdt, self.threads)
+        assert rc == 0
+
+    def ours_moments(self, q8: bool) -> None:
+        """ours_mixed (bf16 grads, bf16 copy out) over bf16 or 8-bit moments."""
+        self.step += 1
+        v = self.views
+        m, s = ("mq", "vq") if q8 else ("mb", "vb")
+        adamw_step_(v["p"], v["gb"], v[m], v[s], step=self.step, lr=1e-7, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.01, outs=v["ob"], num_threads=self.threads, validate=False,
+                    exp_avg_scales=v["ms"] if q8 else None, exp_avg_sq_scales=v["vs"] if q8 else None)
 
     def probe(self, gname: str, oname: str | None) -> None:
         k = len(self.views["p"])
@@ -149,6 +196,10 @@ class Setup:
             "torch_fused+copy": self.torch_fused_copy,
             "probe_f32g_bf16o": lambda: self.probe("g", "ob"),
             "ours_f32g_bf16o": lambda: self.ours_mixed("g"),
+            "probe_m_bf16": lambda: self.probe_moments(native.DT_BF16),
+            "ours_m_bf16": lambda: self.ours_moments(False),
+            "probe_m_int8": lambda: self.probe_moments(native.DT_I8),
+            "ours_m_int8": lambda: self.ours_moments(True),
         }
         if self.tforeach is not None:
             m["torch_foreach"] = self.tforeach.step
@@ -158,7 +209,9 @@ class Setup:
 
 
 BYTES = {"probe_fp32": 28, "ours_fp32": 28, "ours_fp32_sums": 28, "torch_fused": 28, "torch_foreach": 28, "deepspeed": 28,
-         "probe_mixed": 28, "ours_mixed": 28, "torch_fused+copy": 34, "probe_f32g_bf16o": 30, "ours_f32g_bf16o": 30}
+         "probe_mixed": 28, "ours_mixed": 28, "torch_fused+copy": 34, "probe_f32g_bf16o": 30, "ours_f32g_bf16o": 30,
+         "probe_m_bf16": 20, "ours_m_bf16": 20, "probe_m_int8": 16 + 8 / moments.QBLOCK,
+         "ours_m_int8": 16 + 8 / moments.QBLOCK}
 
 
 def bench(n: int, chunk: int | None, rounds: int, threads: int, foreach_rounds: int) -> dict:
@@ -186,6 +239,10 @@ def bench(n: int, chunk: int | None, rounds: int, threads: int, foreach_rounds: 
     def ratio(num, den):  # per-round ratio of den's time to num's time = num's speed / den's speed
         return statistics.median(b / a for a, b in zip(times[num], times[den]))
 
+    def bw_fraction(k):  # k's bytes at probe_mixed's bandwidth over k's time, per round
+        return statistics.median(BYTES[k] / BYTES["probe_mixed"] * p / t
+                                 for p, t in zip(times["probe_mixed"], times[k]))
+
     res = {"params": n, "layout": "flat" if chunk is None else f"{chunk}-element tensors",
            "tensors": len(s.params), "rounds": rounds, "threads": threads, "methods": {}}
     for k, ts in times.items():
@@ -200,6 +257,14 @@ def bench(n: int, chunk: int | None, rounds: int, threads: int, foreach_rounds: 
         "ours_f32g_bf16o/roofline": ratio("ours_f32g_bf16o", "probe_f32g_bf16o"),
         "torch_fused/roofline": ratio("torch_fused", "probe_fp32"),
         "ours_fp32_sums/ours_fp32": ratio("ours_fp32_sums", "ours_fp32"),
+        "ours_m_bf16/ours_mixed": ratio("ours_m_bf16", "ours_mixed"),
+        "ours_m_int8/ours_mixed": ratio("ours_m_int8", "ours_mixed"),
+        "ours_m_bf16/roofline": ratio("ours_m_bf16", "probe_m_bf16"),
+        "ours_m_int8/roofline": ratio("ours_m_int8", "probe_m_int8"),
+        # Bytes a parameter over the bandwidth probe_mixed measures (one roofline for every mode).
+        "ours_mixed/bw_roofline": bw_fraction("ours_mixed"),
+        "ours_m_bf16/bw_roofline": bw_fraction("ours_m_bf16"),
+        "ours_m_int8/bw_roofline": bw_fraction("ours_m_int8"),
     }
     if "torch_foreach" in times:
         res["ratios"]["ours_fp32/torch_foreach"] = statistics.median(
@@ -211,7 +276,8 @@ def bench(n: int, chunk: int | None, rounds: int, threads: int, foreach_rounds: 
 
 
 TARGETS = [("ours_fp32/roofline", 0.90), ("ours_fp32/torch_fused", 0.95), ("ours_mixed/roofline", 0.90),
-           ("ours_mixed/torch_fused+copy", 1.20)]
+           ("ours_mixed/torch_fused+copy", 1.20), ("ours_m_bf16/ours_mixed", 1.30), ("ours_m_int8/ours_mixed", 1.50),
+           ("ours_m_bf16/bw_roofline", 0.90), ("ours_m_int8/bw_roofline", 0.90)]
 
 
 def main() -> int:
@@ -232,7 +298,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)  # torch's kernels get the same cores as ours
     sizes = [int(float(x)) for x in args.sizes.split(",")]
     layouts = args.layouts.split(",")
-    need = max(sizes) * 20
+    need = max(sizes) * 30
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if need > avail:

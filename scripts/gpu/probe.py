@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
-"""The machine, the pinned pool and the copy bandwidths (stage 0 of scripts/gpu/check.sh).
+"""The machine, the pinned pool and the copy bandwidths (the probe stage of scripts/gpu/check.sh).
 
-Reports torch, CUDA and driver versions; whether ``infinity.io.HostPool(size,
+Reports torch, CUDA, driver and NCCL versions; the host: /proc/meminfo
+(a small-RAM start makes the engine's host budget refuse, or its pressure
+monitor lower prefetch), CPUs (nproc, affinity, lscpu), ``ulimit -l`` (what
+may be pinned), free disk of the swap folders; which optional baselines
+import (torchao); whether ``infinity.io.HostPool(size,
 pin="auto")`` is pinned; whether, after closing it, a second pool of the same
 size (usually mapped at the same address) is pinned again and the CUDA
 runtime's last error is still clean (a synchronize and a tiny kernel launch
@@ -46,6 +50,44 @@ def versions() -> dict:
         out["driver"] = smi.stdout.strip() or smi.stderr.strip()
     except (OSError, subprocess.TimeoutExpired) as exc:
         out["driver"] = f"nvidia-smi unavailable: {exc}"
+    return out
+
+
+def host_facts() -> dict:
+    """Memory, CPUs, lock limit, disk and optional packages of this machine."""
+    import os
+    import resource
+    import shutil
+    out = {"python": sys.version.split()[0], "nproc": os.cpu_count(),
+           "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+    try:
+        out["meminfo"] = {ln.split(":")[0]: ln.split(":")[1].strip() for ln in
+                          Path("/proc/meminfo").read_text().splitlines() if ":" in ln}
+    except OSError as exc:
+        out["meminfo"] = f"unreadable: {exc}"
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    unlimited = resource.RLIM_INFINITY
+    out["ulimit_l_bytes"] = {"soft": None if soft == unlimited else soft, "hard": None if hard == unlimited else hard}
+    for path in (".", "/tmp"):
+        du = shutil.disk_usage(path)
+        out[f"disk_free_bytes {path}"] = du.free
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        keep = ("Model name", "Socket(s)", "Core(s) per socket", "Thread(s) per core", "NUMA node(s)", "Flags",
+                "L3 cache")
+        out["lscpu"] = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in lscpu.splitlines())
+                        if k.strip() in keep}
+        flags = out["lscpu"].pop("Flags", "")
+        out["lscpu"]["simd"] = [f for f in ("avx2", "avx512f", "avx512bf16", "amx_bf16") if f in flags.split()]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        out["lscpu"] = f"unavailable: {exc}"
+    if torch.cuda.is_available():
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+    try:
+        import torchao
+        out["torchao"] = torchao.__version__
+    except ImportError as exc:
+        out["torchao"] = f"not importable: {exc}"
     return out
 
 
@@ -145,8 +187,13 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = ap.parse_args()
     device = torch.device(args.device)
-    res = {"versions": versions()}
+    res = {"versions": versions(), "host": host_facts()}
     print(json.dumps(res["versions"]), flush=True)
+    mi = res["host"]["meminfo"]
+    print("host:", json.dumps({k: v for k, v in res["host"].items() if k != "meminfo"}), flush=True)
+    if isinstance(mi, dict):
+        print("meminfo:", {k: mi.get(k) for k in ("MemTotal", "MemAvailable", "Mlocked", "HugePages_Total")},
+              flush=True)
     problems = []
     if device.type == "cuda" and not torch.cuda.is_available():
         problems.append("CUDA is not available")

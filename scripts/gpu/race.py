@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Race stress of the engine's copy streams (stage 3 of scripts/gpu/check.sh).
+"""Race stress of the engine's copy streams (the race stage of scripts/gpu/check.sh).
 
 Two models, each at the engine's minimum device budget (read off the
 BudgetError of ``device_memory=1``): the tests' tiny GPT (equal units) and
@@ -22,9 +22,10 @@ Requirements (any violation: exit 1):
              gradients (review finding A1) give > 1.
   CUDA       the host pool is pinned (without it the synchronous fallback runs)
 
-Modes: --sanitize (stage 4: two steps of the tiniest case, under
-TORCH_CUDA_SANITIZER=1); --dist BACKEND (stage 6: a world of one process,
-zero_stage=2, against the same reference).
+Modes: --sanitize (the sanitize stage: two steps of the tiniest case, under
+TORCH_CUDA_SANITIZER=1); --dist BACKEND (the nccl stage: a world of one
+process, ZeRO stages --zero, against the same reference). --json is rewritten
+after every case.
 
 Usage: python scripts/gpu/race.py [--device cuda] [--json race.json]
 """
@@ -210,12 +211,13 @@ def run_matrix(args) -> list:
             models, ("host", "none"), ("step", "backward"), args.dtypes.split(","), args.depths):
         case = dict(params=params, overlap=overlap, dtype=dtype, depth=depth)
         rows.append(run_case(name, case, args.device, data, refs, lag))
+        save_rows(args.json, rows)
         print(f"  {name} {case}: {'ok' if not rows[-1]['violations'] else rows[-1]['violations']}", flush=True)
     return rows
 
 
 def sanitize(args) -> list:
-    """Stage 4: two steps of the tiniest cases (GPT, params on the host, both
+    """The sanitize stage: two steps of the tiniest cases (GPT, params on the host, both
     overlaps, fp32 and bf16), no lag, under the CUDA sanitizer."""
     if args.device.startswith("cuda"):
         from torch.cuda import _sanitizer
@@ -228,24 +230,40 @@ def sanitize(args) -> list:
 
 
 def distributed(args) -> list:
-    """Stage 6: a world of one process over ``args.dist``, zero_stage 2 and 1
-    (review D1: ZeRO collectives on CPU tensors under NCCL)."""
+    """The nccl stage: a world of one process over ``args.dist``, each ZeRO
+    stage of ``args.zero``. Stage 3 is the one that reaches NCCL: its gathers
+    fill the device arena on the side stream (zero.py); stages 1 and 2 send
+    every collective, on host tensors, through the gloo host group. One
+    process only: NCCL (2.5 and later) refuses two ranks on one GPU
+    ("Duplicate GPU detected", ncclInvalidUsage)."""
     import random
 
     import torch.distributed as dist
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(random.randint(20000, 40000)))
     if args.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(args.device))
+        # set_device needs an index: torch.device("cuda") has none.
+        torch.cuda.set_device(torch.device(args.device).index or 0)
     dist.init_process_group(args.dist, rank=0, world_size=1)
     try:
         data = [(x.to(args.device), y.to(args.device)) for x, y in batches(args.steps)]
         refs = references(["gpt"], args.device, data)
-        # zero_stage=1 as well: it shows D1 where stage 2 fails for another reason.
-        return [run_case("gpt", dict(params="host", overlap="step", dtype="fp32", depth=1, zero=z), args.device,
-                         data, refs, None) for z in (2, 1)]
+        rows = []
+        for z in args.zero:
+            rows.append(run_case("gpt", dict(params="host", overlap="step", dtype="fp32", depth=1, zero=z),
+                                 args.device, data, refs, None))
+            save_rows(args.json, rows)
+        return rows
     finally:
         dist.destroy_process_group()
+
+
+def save_rows(path, rows: list) -> None:
+    """The rows so far as JSON at ``path`` (None: nowhere), rewritten after
+    every case so that a run cut by its time limit still leaves them."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(rows, indent=1, default=str))
 
 
 def main() -> int:
@@ -260,8 +278,11 @@ def main() -> int:
                     help="comma-separated prefetch depths (default 1,2; 1: the tightest arena, where A1 shows)")
     ap.add_argument("--lag-ms", type=float, default=1.0,
                     help="GPU sleep per block hook, ms (default 1.0; 0: no lag run)")
-    ap.add_argument("--sanitize", action="store_true", help="stage 4: tiniest cases, for TORCH_CUDA_SANITIZER=1")
-    ap.add_argument("--dist", default=None, help="stage 6: torch.distributed backend (gloo, nccl) of a world of one")
+    ap.add_argument("--sanitize", action="store_true", help="the sanitize stage: tiniest cases, for TORCH_CUDA_SANITIZER=1")
+    ap.add_argument("--dist", default=None, help="the nccl stage: torch.distributed backend (gloo, nccl, "
+                    "cpu:gloo,cuda:nccl) of a world of one")
+    ap.add_argument("--zero", type=lambda s: [int(v) for v in s.split(",")], default=[3, 2, 1],
+                    help="with --dist: comma-separated ZeRO stages (default 3,2,1; 3 reaches NCCL)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, device {args.device}, native {infinity.system.native.available()}", flush=True)
@@ -270,9 +291,7 @@ def main() -> int:
     print_table(rows)
     bad = [r for r in rows if r["violations"]]
     print(f"{len(rows) - len(bad)} of {len(rows)} cases pass")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    save_rows(args.json, rows)
     return 1 if bad else 0
 
 

@@ -80,3 +80,24 @@ def test_state_dict_and_load_state_dict_on_two_ranks_every_stage(tmp_path):
         assert r["after_step"].keys() == r["master"].keys()
         for k, v in r["after_step"].items():  # fp32 compute copies: the masters themselves
             assert torch.equal(v, r["master"][k]), (stage, k)
+
+
+def test_a_locked_folder_refuses_the_save_on_every_rank(tmp_path):
+    """Under ZeRO only rank 0 takes the lock; the refusal must reach every rank (none left waiting in a
+    gather), and nothing is written. After the lock is dropped, the same ranks save."""
+    rdzv = str(tmp_path / "rendezvous-locked")
+    ctx = mp.start_processes(checkpoint_worker.locked_phase, args=(2, rdzv, str(tmp_path)), nprocs=2,
+                             join=False, start_method="spawn")
+    deadline = 240.0  # a hang is the failure this test looks for: never wait for ever
+    import time
+    t0 = time.monotonic()
+    while not ctx.join(timeout=5):
+        if time.monotonic() - t0 > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError("save_checkpoint into a locked folder left a rank waiting")
+    r0 = (tmp_path / "locked-0.txt").read_text().splitlines()
+    r1 = (tmp_path / "locked-1.txt").read_text().splitlines()
+    assert r0[0].startswith("CheckpointLockedError") and "another save" in r0[0], r0
+    assert r1[0].startswith("RuntimeError") and "rank 0 could not prepare" in r1[0], r1
+    assert "step-00000001" in r0[1] and not any(n.startswith(".step") for n in r0[1].split(",")), r0

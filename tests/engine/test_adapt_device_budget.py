@@ -119,3 +119,41 @@ def test_growth_lets_go_of_the_old_arena_before_allocating_the_new(monkeypatch):
     grown = residency.tier
     b.after_step(residency, grads, saved)
     assert residency.tier is grown
+
+
+def test_growth_out_of_device_memory_keeps_the_old_size(monkeypatch):
+    # The grown arena's allocation fails as CUDA's would (torch.OutOfMemoryError):
+    # the budget stays at the size that ran, every owner gets a tier of that
+    # size, and a warning names what happened and the fix.
+    units, modes, _ = placed()
+    b = DeviceBudget(units, modes, torch.device("cpu"), None)
+    need = b.need()
+    capacity = device_budget.MARGIN_BYTES + need.everything * 2
+    monkeypatch.setattr(DeviceBudget, "default",
+                        lambda self, minimum: (device_budget.initial_budget(minimum, self.need().everything,
+                                                                            minimum), capacity))
+    old = b.first_tier()
+    first = b.budget
+    own = old.arena_bytes + old.fixed_bytes
+    monkeypatch.setattr(DeviceBudget, "memory_peak", lambda self: own)
+    residency, grads, saved = Owner(old), Owner(old), Router(old)
+    for u in units:
+        u.dev = SimpleNamespace(state=DeviceState.ABSENT, permanent=False, external=False)
+    real_init = DeviceTier.__init__
+    asked = []
+
+    def oom_above_first(self, device, budget, *a, **kw):
+        asked.append(budget)
+        if budget > first:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        real_init(self, device, budget, *a, **kw)
+
+    monkeypatch.setattr(DeviceTier, "__init__", oom_above_first)
+    del old
+    with pytest.warns(RuntimeWarning, match=rf"could not grow from {first} to {need.everything} bytes .*"
+                                            r"stays at .* Config.device_memory"):
+        b.after_step(residency, grads, saved)
+    assert asked == [need.everything, first]
+    assert b.budget == first
+    assert residency.tier is grads.tier and residency.tier.budget_bytes == first
+    assert saved.events == ["drop", "rebind"]

@@ -249,7 +249,8 @@ def test_stage3_gather_waits_for_the_copy_on_a_side_stream(cuda, monkeypatch):
         return Work()
 
     class CopyTicket:
-        def wait_compute(self):
+        def wait_compute(self, timed=True):
+            assert not timed  # the side stream's wait is not a compute stall (StallClock)
             copy_waits.append(cuda.current.get(1))
 
     monkeypatch.setattr(zero, "_all_gather", all_gather)

@@ -43,3 +43,17 @@ def test_the_stall_clock_stays_bounded_and_counts_every_executed_wait(monkeypatc
     FakeEvent.done_upto = FakeEvent.count
     assert clock.seconds() == 10_000.0  # each pair is 1 s apart: every wait counted once
     assert clock.pending == 0
+
+
+def test_a_side_stream_wait_is_not_a_compute_stall(monkeypatch):
+    """ZeRO-3's gather makes its side stream wait for the shard's copy: that wait must not be timed as
+    compute waiting for a fetch; compute's own wait is."""
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    stream = FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    clock = mover.StallClock()
+    t = mover.CudaTicket(FakeEvent(), torch.device("cuda", 0), clock=clock)
+    t.wait_compute(timed=False)
+    assert clock.pending == 0
+    t.wait_compute()
+    assert clock.pending == 1

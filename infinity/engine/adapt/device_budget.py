@@ -16,6 +16,13 @@ state) is the rest's need. The budget grows to the capacity minus
 ``HEADROOM`` times that need minus ``MARGIN_BYTES``, if that is more, and
 the arena is reallocated at the new size. It never shrinks, and an explicit
 ``device_memory`` is never changed.
+
+The old arena is let go of before the grown one is allocated (the two
+together would not fit for a model whose compute copies pass half the
+device). If the grown one still cannot be allocated (the pass showed less
+than a later one needs, or another process took the memory meanwhile), the
+budget stays at the size that ran, whose memory was just given back, with a
+warning: the engine keeps a tier instead of failing the next forward.
 """
 
 from __future__ import annotations
@@ -119,6 +126,20 @@ class DeviceBudget:
         import torch
         return torch.cuda.max_memory_allocated(self.device)
 
+    def _grown_or_kept(self, new: int, old_budget: int):
+        """The tier at ``new`` bytes, or, when the device is out of memory for
+        it, at ``old_budget`` (the size that ran), with a warning."""
+        import warnings
+
+        import torch
+        try:
+            return self._tier(new)
+        except torch.OutOfMemoryError as e:
+            warnings.warn(f"infinity: the default device budget could not grow from {old_budget} to {new} bytes "
+                          f"(out of device memory: {str(e).splitlines()[0][:200]}); it stays at {old_budget} "
+                          "bytes. Set Config.device_memory to choose the size", RuntimeWarning, stacklevel=2)
+            return self._tier(old_budget)
+
     def after_step(self, residency, grads, saved) -> None:
         """After the first step with the default budget, every unit has left
         the arena: grows the budget to what the pass left free. ``residency``
@@ -138,8 +159,9 @@ class DeviceBudget:
         grads.set_device(None)
         if saved is not None:
             saved.drop_buffers()
+        old_budget = self.budget
         del old  # the old arena goes before the new one is allocated
-        tier = self._tier(new)
+        tier = self._grown_or_kept(new, old_budget)
         tier.peak_bytes = max(tier.peak_bytes, peak)
         residency.set_tier(tier)
         grads.set_device(tier)

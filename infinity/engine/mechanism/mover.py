@@ -108,8 +108,10 @@ class Ticket:
         """Blocks the calling thread until complete; re-raises the job's error."""
         raise NotImplementedError
 
-    def wait_compute(self) -> None:
-        """Makes compute wait for completion (CUDA: the current stream; CPU: the host)."""
+    def wait_compute(self, timed: bool = True) -> None:
+        """Makes compute wait for completion (CUDA: the current stream; CPU:
+        the host). ``timed=False``: the current stream is a side stream (a
+        stage-3 gather's), whose wait is not a compute stall (StallClock)."""
         self.wait()
 
 
@@ -193,9 +195,9 @@ class CudaTicket(Ticket):
         if self.fut is not None:
             self.fut.result()
 
-    def wait_compute(self) -> None:
+    def wait_compute(self, timed: bool = True) -> None:
         stream = torch.cuda.current_stream(self.device)
-        if self.clock is not None:
+        if self.clock is not None and timed:
             self.clock.wait(stream, self.event)
         else:
             stream.wait_event(self.event)
@@ -218,8 +220,8 @@ class ChainTicket(Ticket):
     def wait(self) -> None:
         self.fut.result().wait()
 
-    def wait_compute(self) -> None:
-        self.fut.result().wait_compute()
+    def wait_compute(self, timed: bool = True) -> None:
+        self.fut.result().wait_compute(timed)
 
 
 class DeferredTicket(Ticket):
@@ -243,8 +245,8 @@ class DeferredTicket(Ticket):
     def wait(self) -> None:
         self._run().wait()
 
-    def wait_compute(self) -> None:
-        self._run().wait_compute()
+    def wait_compute(self, timed: bool = True) -> None:
+        self._run().wait_compute(timed)
 
 
 def _chain(first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
@@ -325,6 +327,7 @@ class CpuMover:
     """Copies between RAM regions on worker threads (device="cpu")."""
 
     is_cuda = False
+    batches_grads = False  # a gradient's copy is a memcpy here: staging would add one (grad_buckets.py)
 
     def __init__(self) -> None:
         self._h2d = _executor("infinity-h2d")
@@ -375,6 +378,7 @@ class CudaMover:
     """Copies between pinned host memory and a CUDA device on dedicated streams."""
 
     is_cuda = True
+    batches_grads = True  # See [Note: gradients leave the device in buckets] in grad_buckets.py
 
     def __init__(self, device: torch.device) -> None:
         index = torch.cuda.current_device() if device.index is None else device.index

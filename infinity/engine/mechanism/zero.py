@@ -269,7 +269,7 @@ class Sharding:
             else:
                 copy = h2d(own, shard[pos:pos + k])
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    copy.wait_compute()  # CUDA: the side stream waits; CPU: the host does
+                    copy.wait_compute(timed=False)  # the side stream waits (not a compute stall); CPU: the host
                     works.append(_all_gather(full[a:b], own, group=group, async_op=True))
             pos += k
             self.stats.moved("all_gather", (b - a) * full.element_size())

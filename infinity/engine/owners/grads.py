@@ -4,7 +4,8 @@ by an update, released.
 
 Owns ``unit.grads`` (a :class:`GradRecord`); nothing else writes it. See
 [Note: gradients in the compute dtype] in placement.py, [Note: a gradient's way to
-the host] in mover.py and [Note: gradient states] in state.py.
+the host] in mover.py and [Note: gradient states] in state.py; the device side of the way out is in
+grad_buckets.py ([Note: gradients leave the device in buckets]).
 
 [Note: a backward after step() without zero_grad()]
 torch adds such a backward's gradients to the last step's. That is harmless
@@ -36,7 +37,8 @@ from ..faults import UsageError
 from ..mechanism.nvme import key as swap_key
 from ..plan.state import GradHome, GradState, transition
 from ..plan.units import Layout
-from ..plan.limits import MAX_REDUCING  # See [Note: limits that must agree]
+from ..plan.limits import GRAD_BUCKET_BYTES, MAX_REDUCING  # See [Note: limits that must agree]
+from .grad_buckets import Bucket, bucket_elems, land, make_buckets, open_stage, runs_of
 
 __all__ = ["GradRecord", "Gradients"]
 
@@ -56,6 +58,8 @@ class GradRecord:
     tickets: list = field(default_factory=list)  # copies and reductions in flight
     shard: Optional[torch.Tensor] = None      # ZeRO: the own shard of the summed gradients
     reduced: bool = False                     # ZeRO: the reduction of this step was issued
+    buckets: List[Bucket] = field(default_factory=list)  # device staging (grad_buckets.py)
+    bucket_of: List[int] = field(default_factory=list)   # per trainable slot: its bucket, -1 for none
 
 
 class Gradients:
@@ -76,13 +80,18 @@ class Gradients:
         # not of fp32 state: they come from the same end of the pool as the
         # copies, so each size class's holes fit its own later requests.
         self._with_copies = modes.grad_dtype != torch.float32
-        for u in units:
-            u.grads = _record(u)
+        # See [Note: gradients leave the device in buckets] in grad_buckets.py.
+        self.batched = bool(getattr(mover, "batches_grads", False)) and modes.host_optimizer
+        reserve = device_tier.transient_reserve if device_tier is not None else 0
+        self._bucket_elems = bucket_elems(reserve, GRAD_BUCKET_BYTES, modes.dtype.itemsize)
+        self.drop_buffers()
 
     def drop_buffers(self) -> None:
         """After teardown: forgets every unit's gradient buffers (see Engine._drop_buffers)."""
         for u in self.units:
             u.grads = _record(u)
+            if self.batched:
+                u.grads.buckets, u.grads.bucket_of = make_buckets(u.layout, self._bucket_elems)
 
     # -- buffers kept for good ----------------------------------------------------------
 
@@ -100,6 +109,7 @@ class Gradients:
     def backward_counted(self, window_closed: bool) -> None:
         """A whole backward is done; ``window_closed``: it ran the window's
         last-backward work (see [Note: the accumulation window] in schedule.py)."""
+        self.flush_all()
         self.micro_batches += 1
         self.window_closed = self.window_closed or window_closed
 
@@ -124,8 +134,11 @@ class Gradients:
     # -- off the device ---------------------------------------------------------------
 
     def begin_backward(self) -> None:
+        self.flush_all()  # what an interrupted backward staged
         for u in self.units:
             u.grads.pending = len(u.layout.trainable_slots)
+            for b in u.grads.buckets:
+                b.left = b.end - b.first
 
     def take(self, u, ti: int, p) -> bool:
         """A parameter's gradient is complete for this backward: moves it into
@@ -148,19 +161,55 @@ class Gradients:
         if rec.state is GradState.CLEAN:
             rec.state = transition(u.name, "grad", rec.state, GradState.ACCUMULATING)
         if self.modes.host_optimizer:
-            nb = g.numel() * g.element_size()
-            self._bound_transient(nb)
-            self.device_tier.add_transient(nb)
-            t = self.mover.grad_out(dst, g, accumulate)
-            self.stats.moved("d2h", nb)
-            rec.tickets.append(t)
-            self._outstanding.append((t, nb))
+            b = rec.bucket_of[ti] if rec.bucket_of else -1
+            if b >= 0:
+                self._stage(u, rec.buckets[b], ti, g, accumulate)
+            else:
+                nb = g.numel() * g.element_size()
+                self._bound_transient(nb)
+                self.device_tier.add_transient(nb)
+                t = self.mover.grad_out(dst, g, accumulate)
+                self.stats.moved("d2h", nb)
+                rec.tickets.append(t)
+                self._outstanding.append((t, nb))
         elif accumulate:
             dst.add_(g.reshape(-1))
         else:
             dst.copy_(g.reshape(-1))
         rec.pending -= 1
         return rec.pending == 0
+
+    def _stage(self, u, b: Bucket, ti: int, g: torch.Tensor, accumulate: bool) -> None:
+        """``g`` into ``b``'s staging buffer; ``b`` to the host once full."""
+        if b.stage is None:
+            nb = (b.stop - b.start) * g.element_size()
+            self._bound_transient(nb)
+            self.device_tier.add_transient(nb)
+            open_stage(b, u.layout, g)
+        if land(b, u.layout, ti, g, accumulate):
+            self._flush(u, b)
+
+    def _flush(self, u, b: Bucket) -> None:
+        """``b``'s landed slots to the host: one copy per run of them."""
+        rec, stage, nb = u.grads, b.stage, b.nbytes
+        t = None
+        for lo, hi, acc in runs_of(b, u.layout):
+            t = self.mover.grad_out(rec.grad[lo:hi], stage[lo - b.start:hi - b.start], acc)
+            self.stats.moved("d2h", (hi - lo) * stage.element_size())
+            rec.tickets.append(t)
+        b.stage, b.landed = None, []
+        if t is None:
+            self.device_tier.sub_transient(nb)
+        else:  # the copies run in issue order: the last one done frees the whole stage
+            self._outstanding.append((t, nb))
+
+    def flush_all(self) -> None:
+        """Sends every bucket still being filled (some of its parameters got
+        no gradient in this backward)."""
+        for u in self.units:
+            for b in u.grads.buckets:
+                if b.stage is not None:
+                    self._flush(u, b)
 
     def _window_error(self) -> UsageError:
         n = self.accum_steps
@@ -212,6 +261,7 @@ class Gradients:
 
     def drain(self) -> None:
         """Waits for every gradient copy in flight."""
+        self.flush_all()
         for u in self.units:
             self.wait(u)
         for t, nb in self._outstanding:

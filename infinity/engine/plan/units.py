@@ -65,6 +65,21 @@ class Layout:
         self.numel = _align(off, max(pad_to, 1) * ALIGN_ELEMS)
         self.trainable_slots = [s for s in self.slots if s.trainable]
 
+    def grad_buckets(self, max_elems: int) -> List[Tuple[int, int]]:
+        """Runs ``[i, j)`` of trainable slot indices whose span (first offset
+        to last end, in elements) is at most ``max_elems``, in slot order; a
+        slot alone larger than that is a run of its own."""
+        runs: List[Tuple[int, int]] = []
+        ts = self.trainable_slots
+        i = 0
+        while i < len(ts):
+            j = i + 1
+            while j < len(ts) and ts[j].offset + ts[j].numel - ts[i].offset <= max_elems:
+                j += 1
+            runs.append((i, j))
+            i = j
+        return runs
+
     @staticmethod
     def zero_padding(buf: torch.Tensor, slots: List[Slot]) -> None:
         """Zeroes the elements of ``buf`` outside ``slots`` (the alignment gaps

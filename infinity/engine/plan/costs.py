@@ -1,0 +1,111 @@
+"""What each unit's forward and backward compute costs, counted on the meta
+device: every aten op the pass runs, with its FLOPs (torch's flop counter
+registry: matrix products, convolutions, attention) and the bytes it reads
+and writes. Nothing is computed and no memory is touched.
+
+[Note: an op's time]
+The time model (step_time.py) prices an op as a roofline plus a fixed cost:
+``max(flops / GEMM rate at its size, bytes / memory bandwidth) + per-op
+overhead``, each figure from the hardware profile (profile.py). Views cost
+nothing. The ops are attributed to the unit whose forward (or backward) is
+running: module hooks mark where a unit's forward starts and ends, and full
+backward hooks where its backward does, so a checkpointed unit's
+recomputation counts in its backward, where it runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["OpCost", "PassCosts", "count_pass", "ROOT_TAIL"]
+
+# The root's backward ops after the units' backward (the embeddings'), apart
+# from those before it (loss, head): they run at the other end of backward.
+ROOT_TAIL = -1
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op: ``flops`` (0 unless a matrix product, convolution or attention) and ``nbytes`` read + written."""
+
+    flops: int
+    nbytes: int
+
+
+@dataclass
+class PassCosts:
+    """The ops of one forward + backward, per unit index (0: the root and
+    everything outside the units; in backward ``ROOT_TAIL``: the root's ops
+    after the units' backward)."""
+
+    forward: Dict[int, List[OpCost]] = field(default_factory=dict)
+    backward: Dict[int, List[OpCost]] = field(default_factory=dict)
+
+    def flops(self, phase: str, unit: int) -> int:
+        """FLOPs of ``unit`` in ``phase`` ("forward" or "backward")."""
+        return sum(o.flops for o in getattr(self, phase).get(unit, []))
+
+
+def _nbytes(x) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, costs: PassCosts):
+        super().__init__()
+        self.costs, self.unit, self.phase = costs, 0, "forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func._schema.name.startswith("aten::") and not func.is_view:
+            fl = 0
+            f = flop_registry.get(func._overloadpacket)
+            if f is not None:
+                fl = int(f(*args, **kwargs, out_val=out))
+            nb = sum(_nbytes(a) for a in tree_flatten((args, kwargs))[0]) + sum(_nbytes(o) for o in tree_flatten(out)[0])
+            if fl or nb:
+                getattr(self.costs, self.phase).setdefault(self.unit, []).append(OpCost(fl, nb))
+        return out
+
+
+def count_pass(model: nn.Module, run: Callable[[nn.Module], torch.Tensor], unit_modules: Dict[int, List[nn.Module]],
+               dtype: torch.dtype) -> PassCosts:
+    """The ops of ``run(model)`` (a forward on meta inputs returning the loss)
+    and of its backward, per unit (``unit_modules``: unit index -> its
+    modules), with the model's floating parameters in ``dtype`` (the compute
+    copy's). ``model`` must be on the meta device; it is not changed (a copy
+    is counted)."""
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError("count_pass: build the model on the meta device (with torch.device('meta'))")
+    # The copy keeps the modules' identities in a map so unit_modules still names them.
+    memo: Dict[int, object] = {}
+    m = copy.deepcopy(model, memo)
+    m.to(dtype)
+    costs = PassCosts()
+    counter = _Counter(costs)
+    handles = []
+    for ui, mods in unit_modules.items():
+        for mod in mods:
+            mc = memo[id(mod)]
+            handles += [mc.register_forward_pre_hook(lambda *_a, ui=ui: setattr(counter, "unit", ui)),
+                        mc.register_forward_hook(lambda *_a: setattr(counter, "unit", 0)),
+                        mc.register_full_backward_pre_hook(lambda *_a, ui=ui: setattr(counter, "unit", ui)),
+                        mc.register_full_backward_hook(lambda *_a: setattr(counter, "unit", ROOT_TAIL))]
+    try:
+        with counter:
+            loss = run(m)
+            counter.phase, counter.unit = "backward", 0
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return costs

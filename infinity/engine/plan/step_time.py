@@ -1,0 +1,302 @@
+"""The time of one training step, predicted before the run: the engine's own
+schedule laid out as tasks on resources (simulate.py), priced by a hardware
+profile (profile.py), from the meta forward's op costs (costs.py).
+
+[Note: the step as tasks]
+One steady-state step of one micro-batch, as the engine runs it:
+
+- the head of the trace was prefetched at the end of the last ``step()``
+  ([Note: the trace wraps around the step] in residency.py): those copies
+  start at time 0;
+- forward, unit by unit (the root first): a unit absent from the arena is
+  fetched on demand (compute waits), then the next ``prefetch_depth``
+  absent units of the trace within ``prefetch_bytes`` are copied up while it
+  computes; a unit is evicted by Belady's rule (furthest next use), and a
+  prefetch never evicts a unit needed sooner. The arena is the budget less
+  the gradient reserve (placement.DeviceNeed);
+- backward, in reverse: the same fetches for the units evicted since their
+  forward; each unit's gradients go to the host (``d2h``) after its
+  backward;
+- the optimizer on the host thread: overlap="step" after backward, unit by
+  unit; "backward" each unit as soon as its gradients are on the host (the
+  root last), with NVMe state at most ``MAX_QUEUED`` queued (backward waits);
+  "delayed" the previous step's updates from time 0, beside forward and
+  backward; ``step()`` ends when all are done;
+- NVMe optimizer state: each unit's master and moments (8 bytes a parameter
+  when the master is the compute copy) are read before and written after its
+  update; with overlap="step" the gradients are spilled in backward and read
+  back, the next unit's read running while one updates;
+- NVMe parameters: when the host cache cannot hold every compute copy, each
+  fetch reads the copy from disk first and each updated copy is written back.
+
+Left out: ZeRO collectives (world > 1 is refused), activation memory and the
+allocator, the data loader, the Python time of the hooks beyond the
+profile's per-op overhead, checksums, host-pool back-pressure other than the
+update queue's, and gradient accumulation over several micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .costs import ROOT_TAIL, PassCosts, count_pass
+from .limits import MAX_QUEUED
+from .placement import Modes, device_need, host_need, nbytes, round_pool
+from .profile import Profile
+from .simulate import COMPUTE, Simulation, SimResult
+
+__all__ = ["StepPrediction", "predict_step", "unit_seconds"]
+
+_DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass
+class StepPrediction:
+    """A predicted step: ``seconds``, the ``bound`` part, ``exposed`` seconds
+    per part, ``busy`` seconds per resource and ``bytes`` per link."""
+
+    seconds: float
+    bound: str
+    exposed: Dict[str, float]
+    busy: Dict[str, float]
+    bytes: Dict[str, int]
+    sim: SimResult
+
+
+def unit_seconds(costs: PassCosts, phase: str, unit: int, profile: Profile, dtype: str) -> float:
+    """Seconds of ``unit``'s ops in ``phase`` on the profiled device ([Note: an op's time] in costs.py)."""
+    t = 0.0
+    for o in getattr(costs, phase).get(unit, []):
+        t += max(o.flops / profile.gemm_rate(dtype, o.flops) if o.flops else 0.0, o.nbytes / profile.mem_bw)
+        t += profile.op_overhead_s
+    return t
+
+
+class _Arena:
+    """The device arena's contents along the trace (Belady eviction), to
+    tell which uses fetch; pure bookkeeping, no time."""
+
+    def __init__(self, sizes: List[int], room: int, trace: List[int]):
+        self.sizes, self.room, self.trace = sizes, room, trace
+        self.resident: Dict[int, int] = {}
+
+    def next_use(self, idx: int, pos: int) -> int:
+        for j in range(pos + 1, len(self.trace)):
+            if self.trace[j] == idx:
+                return j
+        return len(self.trace) + 1
+
+    def alloc(self, idx: int, pos: int, pinned: int, protect_before: Optional[int] = None) -> bool:
+        """Makes room for ``idx`` (evicting furthest next use first); False if it cannot."""
+        while sum(self.sizes[i] for i in self.resident) + self.sizes[idx] > self.room:
+            cand = [(self.next_use(i, pos), i) for i in self.resident if i not in (pinned, 0)]
+            if protect_before is not None:
+                cand = [c for c in cand if c[0] > protect_before]
+            if not cand:
+                return False
+            del self.resident[max(cand)[1]]
+        self.resident[idx] = 1
+        return True
+
+
+def predict_step(model: nn.Module, config, run: Callable[[nn.Module], torch.Tensor], profile: Profile,
+                 placed_units, costs: Optional[PassCosts] = None) -> StepPrediction:
+    """The predicted step of ``model`` (on the meta device) under ``config``:
+    ``placed_units`` is estimator.placed's ``(units, modes, places)``; ``run``
+    one forward on meta inputs returning the loss; ``costs`` the op costs if
+    counted already (count_pass). See [Note: the step as tasks]."""
+    units, modes, places = placed_units
+    if modes.world > 1:
+        raise ValueError(f"the step-time model does not cover ZeRO collectives yet (world={modes.world}); "
+                         "predict one rank with world=1")
+    if costs is None:
+        costs = count_pass(model, run, {u.index: u.modules for u in units[1:]}, modes.dtype)
+    b = _Builder(modes, places, profile, costs, config)
+    b.lay_out()
+    res = b.sim.run()
+    return StepPrediction(res.makespan, res.bound, res.exposed, res.busy, b.moved, res)
+
+
+class _Builder:
+    """Lays one step out as tasks; see [Note: the step as tasks]."""
+
+    def __init__(self, modes: Modes, places, profile: Profile, costs: PassCosts, config):
+        self.m, self.places, self.prof, self.costs = modes, places, profile, costs
+        self.sim = Simulation(profile.slow_pairs())
+        self.dt = _DTYPE_NAME[modes.dtype]
+        self.moved = {"h2d": 0, "d2h": 0, "nvme_read": 0, "nvme_write": 0}
+        self.fetch: Dict[int, Optional[int]] = {}   # unit -> its latest h2d task
+        self.n = len(places)
+        need = device_need(places, [False] * self.n, modes)
+        budget = config.device_memory if config.device_memory is not None else need.everything
+        self.room = need.arena_bytes(budget)
+        self.host_budget = config.host_memory
+        # Clipping and fp16's overflow check need every gradient: early updates wait for step().
+        early = config.max_grad_norm is None and modes.dtype != torch.float16
+        self.overlap = "step" if config.overlap == "backward" and not early else config.overlap
+        self.params_from_disk = modes.params_nvme and not self._cache_holds_all()
+
+    def _cache_holds_all(self) -> bool:
+        h = host_need(self.places, self.m)
+        if self.host_budget is None:
+            return True
+        need = h.permanent + sum(round_pool(nbytes(p.home_numel, self.m.dtype)) for p in self.places)
+        return need <= self.host_budget
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def _copy(self, name: str, link: str, nb: int, deps) -> int:
+        self.moved[link] += nb
+        bw = self.prof.h2d_bw if link == "h2d" else self.prof.d2h_bw
+        return self.sim.add(name, link, nb / bw, link, deps)
+
+    def _disk(self, name: str, write: bool, nb: int, deps) -> int:
+        self.moved["nvme_write" if write else "nvme_read"] += nb
+        bw = self.prof.disk_write_bw if write else self.prof.disk_read_bw
+        res = "disk_write" if write else "disk_read"
+        return self.sim.add(name, res, nb / bw, res, deps)
+
+    def _h2d(self, i: int, issue) -> int:
+        """Brings unit ``i`` up (from disk first when the host cache misses)."""
+        nb = self.places[i].compute_bytes
+        deps = [issue]
+        if self.params_from_disk:
+            deps.append(self._disk(f"read compute {i}", False, nbytes(self.places[i].home_numel, self.m.dtype),
+                                   [issue]))
+        t = self._copy(f"h2d {i}", "h2d", nb, deps)
+        self.fetch[i] = t
+        return t
+
+    # -- the pass -------------------------------------------------------------------------
+
+    def lay_out(self) -> None:
+        m = self.m
+        order = list(range(1, self.n))
+        fwd = [0] + order
+        bwd = order[::-1] + [0]
+        trace = fwd + bwd
+        self.updates: Dict[int, int] = {}
+        pre = self._delayed_updates() if m.delayed else []
+        compute_end = self._pass(trace, len(fwd))
+        self._optimizer(compute_end)
+        if pre:
+            self.sim.add("step() waits", "optimizer", 0.0, "optimizer", pre)
+
+    def _pass(self, trace: List[int], n_fwd: int) -> Optional[int]:
+        """Forward and backward over ``trace``; returns the last compute task."""
+        m, p = self.m, self.places
+        sizes = [pl.compute_bytes for pl in p]
+        arena = _Arena(sizes, self.room, trace)
+        on_device = m.params_on_device
+        if not on_device:
+            # The root stays resident for the pass; the head of the trace came up at the last step's end.
+            arena.resident[0] = 1
+            self._h2d(0, None)
+            self._prefetch(arena, trace, -1, None)
+        prev = None
+        self.grad_out: Dict[int, int] = {}
+        for pos, i in enumerate(trace):
+            backward = pos >= n_fwd
+            if not on_device and i not in arena.resident:
+                if not arena.alloc(i, pos, pinned=i):
+                    raise ValueError(f"unit {i} does not fit the arena of {self.room} bytes")
+                self._h2d(i, prev)
+            if not on_device:
+                self._prefetch(arena, trace, pos, prev)
+            phase = "backward" if backward else "forward"
+            deps = [prev, self.fetch.get(i)]
+            if backward and m.opt_nvme and self.overlap == "backward":
+                deps += self._queue_bound(i)
+            secs = unit_seconds(self.costs, phase, i, self.prof, self.dt)
+            if backward and i == 0:
+                secs += unit_seconds(self.costs, "backward", ROOT_TAIL, self.prof, self.dt)
+            prev = self.sim.add(f"{phase} {i}", "compute", secs, COMPUTE, deps)
+            if backward and m.host_optimizer and p[i].trainable:
+                gb = nbytes(p[i].trainable_numel, m.grad_dtype)
+                self.grad_out[i] = self._copy(f"grads {i}", "d2h", gb, [prev])
+                self._after_grads(i)
+        return prev
+
+    def _prefetch(self, arena: _Arena, trace: List[int], pos: int, issue) -> None:
+        """policy.prefetch_plan: the next ``depth`` distinct units, absent ones within the byte cap."""
+        seen, ahead = set(), 0
+        for j in range(pos + 1, len(trace)):
+            idx = trace[j]
+            if len(seen) >= self.m.depth:
+                break
+            if idx in seen:
+                continue
+            seen.add(idx)
+            if idx in arena.resident:
+                continue
+            nb = arena.sizes[idx]
+            if self.m.prefetch_bytes is not None and ahead + nb > self.m.prefetch_bytes:
+                break
+            if not arena.alloc(idx, max(pos, 0), pinned=trace[pos] if pos >= 0 else 0, protect_before=j):
+                break
+            ahead += nb
+            self._h2d(idx, issue)
+
+    def _after_grads(self, i: int) -> None:
+        """Backward mode: the unit's update queued now; step mode with NVMe state: its gradients spilled."""
+        m, p = self.m, self.places
+        if self.overlap == "backward":
+            self._update(i, [self.grad_out[i]])
+        elif m.opt_nvme and self.overlap == "step":
+            self._disk(f"spill grads {i}", True, nbytes(p[i].trainable_numel, m.grad_dtype),
+                       [self.grad_out[i]])
+
+    def _queue_bound(self, i: int) -> list:
+        """Backward with NVMe state: at most MAX_QUEUED updates queued: the
+        backward after unit j's waits for the update of the unit MAX_QUEUED later."""
+        j = i + 1 + MAX_QUEUED  # the unit whose update must end before i's backward (reverse order)
+        return [self.updates.get(j)] if j < self.n else []
+
+    def _state_bytes(self, i: int) -> int:
+        pl = self.places[i]
+        kinds = 2 if pl.aliased else 3
+        return kinds * nbytes(pl.state_numel, torch.float32)
+
+    def _update(self, i: int, deps: list, read_deps: Optional[list] = None) -> int:
+        """Unit ``i``'s AdamW on the host thread (with its NVMe state read before and written after)."""
+        m, pl = self.m, self.places[i]
+        deps = list(deps)
+        if m.opt_nvme:
+            deps.append(self._disk(f"read state {i}", False, self._state_bytes(i), read_deps or []))
+        secs = pl.state_numel / self.prof.adamw_rate(_DTYPE_NAME[m.grad_dtype])
+        t = self.sim.add(f"update {i}", "optimizer", secs, "optimizer", deps)
+        self.updates[i] = t
+        if m.opt_nvme:
+            self._disk(f"write state {i}", True, self._state_bytes(i), [t])
+        if self.params_from_disk:
+            self._disk(f"write back compute {i}", True, nbytes(pl.home_numel, m.dtype), [t])
+        if m.params_on_device:
+            self._copy(f"refresh {i}", "h2d", pl.compute_bytes, [t])
+        return t
+
+    def _delayed_updates(self) -> list:
+        """Delayed mode: last step's updates run from time 0."""
+        return [self.sim.add(f"update {i} (previous step)", "optimizer",
+                             pl.state_numel / self.prof.adamw_rate(_DTYPE_NAME[self.m.grad_dtype]), "optimizer")
+                for i, pl in enumerate(self.places) if pl.trainable]
+
+    def _optimizer(self, compute_end: Optional[int]) -> None:
+        m = self.m
+        if not m.host_optimizer or m.delayed:
+            return
+        grads = list(self.grad_out.values())
+        if self.overlap == "backward":
+            return  # queued during backward; step() waits for them
+        prev_read = prev_update = before = None
+        for i in sorted(self.grad_out):
+            deps = [compute_end] + grads
+            rd = []
+            if m.opt_nvme:  # unit i's reads start once unit i-1's are in and unit i-2's update is done
+                gb = nbytes(self.places[i].trainable_numel, m.grad_dtype)
+                rd = [self._disk(f"read grads {i}", False, gb, [compute_end, prev_read, before])]
+                prev_read = rd[0]
+            before, prev_update = prev_update, self._update(i, deps + rd, rd)

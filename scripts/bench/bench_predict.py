@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Predicted against measured step time (issue 40): ``infinity estimate
+--time``'s model on this machine's measured profile, beside real runs.
+
+For each configuration (placements, overlap modes, prefetch depths, batch
+sizes, checkpointing) a child process trains the built-in GPT on the CPU
+device for warm-up + ``--steps`` steps and reports the median step (forward,
+backward, step(), zero_grad(), each timed to its end); the parent predicts
+the same step from the meta model and the profile, never from the
+measurements. Unless ``--profile FILE`` is given, a fresh profile is measured
+(``infinity doctor --profile``'s code, in the row's dtype) just before each
+row: on a machine shared with other jobs its speed drifts by tens of percent
+within minutes, and a profile measured then is the machine the row runs on.
+Nothing is fitted to the rows.
+
+Prints one row per configuration: predicted and measured seconds, the error
+(predicted / measured - 1), the predicted bound, and the median absolute
+error. Usage:
+  python scripts/bench/bench_predict.py [--profile P.json] [--rows 0,3,5] [--steps 5] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from _common import run_json_child, write_json  # noqa: E402
+
+SWAP = str(Path(tempfile.gettempdir()) / "infinity-bench-predict")
+BASE = dict(device="cpu", dtype="fp32", offload_params="host", offload_optimizer="host", overlap="step",
+            prefetch_depth=2, swap_paths=[SWAP])
+MODEL = dict(n_layer=4, n_embd=256, n_head=4, vocab_size=512, block_size=64)
+
+# (label, config changes, model changes, micro-batch); "min" device memory: the budget's minimum.
+ROWS = [
+    ("host step d2", {}, {}, 4),
+    ("host backward d2", {"overlap": "backward"}, {}, 4),
+    ("host delayed d2", {"overlap": "delayed"}, {}, 4),
+    ("host step d0 min-budget", {"prefetch_depth": 0, "device_memory": "min"}, {}, 4),
+    ("host step d4 min-budget", {"prefetch_depth": 4, "device_memory": "min"}, {}, 4),
+    ("host step d1 b16", {"prefetch_depth": 1}, {}, 16),
+    ("host backward b1", {"overlap": "backward"}, {}, 1),
+    ("host step ckpt b8", {}, {"checkpoint": True}, 8),
+    ("opt nvme step", {"offload_optimizer": "nvme"}, {}, 4),
+    ("opt nvme backward", {"offload_optimizer": "nvme", "overlap": "backward"}, {}, 4),
+    ("all nvme step", {"offload_params": "nvme", "offload_optimizer": "nvme"}, {}, 4),
+    ("all nvme backward b1", {"offload_params": "nvme", "offload_optimizer": "nvme", "overlap": "backward"}, {}, 1),
+    ("host step bf16 b2", {"dtype": "bf16"}, {"n_layer": 2, "n_embd": 128}, 2),
+]
+CI_ROWS = (0, 3, 8)  # the rows tests/cli/test_estimate_time.py predicts (structure only)
+
+
+def row_config(i: int):
+    """(infinity.Config, GPTConfig, micro-batch) of row ``i``."""
+    import infinity
+    from infinity.models import GPTConfig
+    label, cfg, mdl, batch = ROWS[i]
+    gcfg = GPTConfig(**{**MODEL, **mdl})
+    fields = {**BASE, **cfg}
+    minimum = fields.pop("device_memory", None) == "min"
+    config = infinity.Config(**fields)
+    if minimum:
+        from infinity.cli.estimate import estimate
+        from infinity.models import GPT
+        with torch.device("meta"):
+            m = GPT(gcfg)
+        config = dataclasses.replace(config, device_memory=estimate(m, config)["device"]["minimum"])
+    return config, gcfg, batch
+
+
+def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
+    """Trains row ``i`` and returns its median step seconds and bytes moved per step."""
+    import infinity
+    from infinity.models import GPT
+    config, gcfg, batch = row_config(i)
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(GPT(gcfg), config, lr=1e-4)
+    x = torch.randint(0, gcfg.vocab_size, (batch, gcfg.block_size))
+    ts = []
+    for s in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ts.append(time.perf_counter() - t0)
+    st = infinity.stats(model)
+    infinity.close(model)
+    return {"seconds": statistics.median(ts[warmup:]), "all": ts[warmup:], "bytes": st["step_bytes_moved"]}
+
+
+def predict_row(i: int, profile):
+    """The model's prediction of row ``i`` (a StepPrediction)."""
+    from infinity.cli.estimate_time import predict
+    from infinity.models import GPT
+    config, gcfg, batch = row_config(i)
+    with torch.device("meta"):
+        model = GPT(gcfg)
+    x = torch.zeros(batch, gcfg.block_size, dtype=torch.long, device="meta")
+    return predict(model, config, lambda m: m(x, x), profile)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", help="profile JSON (default: measure one now)")
+    ap.add_argument("--rows", help="comma-separated row indexes (default: all)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child is not None:
+        print(json.dumps(measure_row(a.child, a.steps)))
+        return 0
+    from infinity.engine.plan.profile import load_profile
+    from infinity.cli.profile_measure import measure_profile
+    Path(SWAP).mkdir(parents=True, exist_ok=True)
+    profile = load_profile(a.profile) if a.profile else None
+    rows = [int(r) for r in a.rows.split(",")] if a.rows else range(len(ROWS))
+    out = []
+    print(f"{'#':>2} {'configuration':26}{'predicted':>10}{'measured':>10}{'error':>8}  bound      h2d MB pred/meas"
+          "   profile: GEMM@512 GFLOP/s, op us, measured in s")
+    for i in rows:
+        if a.profile is None:
+            profile = measure_profile(torch.device("cpu"), row_config(i)[0].dtype, [SWAP], disk_bytes=128 << 20)
+        pr = predict_row(i, profile)
+        got, proc = run_json_child(__file__, ["--child", str(i), "--steps", str(a.steps)])
+        if got is None:
+            print(f"{i:2} {ROWS[i][0]:26} FAILED: {proc.stderr[-400:]}")
+            continue
+        err = pr.seconds / got["seconds"] - 1
+        out.append({"row": i, "label": ROWS[i][0], "predicted": pr.seconds, "measured": got["seconds"],
+                    "steps": got["all"], "error": err, "bound": pr.bound, "exposed": pr.exposed,
+                    "bytes_predicted": pr.bytes, "bytes_measured": got["bytes"],
+                    "profile": dataclasses.asdict(profile)})
+        g512 = profile.gemm_rate(row_config(i)[0].dtype, 2 * 512 ** 3) / 1e9
+        print(f"{i:2} {ROWS[i][0]:26}{pr.seconds:10.3f}{got['seconds']:10.3f}{100 * err:7.1f}%  {pr.bound:10} "
+              f"{pr.bytes['h2d'] / 1e6:7.1f}/{got['bytes'].get('h2d', 0) / 1e6:<7.1f}   {g512:.1f}, "
+              f"{profile.op_overhead_s * 1e6:.0f}, {profile.extra.get('seconds_to_measure', 0)}", flush=True)
+    if out:
+        errs = [abs(r["error"]) for r in out]
+        print(f"\nmedian |error| {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%, "
+              f"within 15%: {sum(e <= 0.15 for e in errs)}/{len(errs)}")
+    if a.json:
+        write_json(a.json, {"rows": out})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

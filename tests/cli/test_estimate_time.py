@@ -1,0 +1,195 @@
+"""`infinity estimate --time`: the step model's structure on small
+configurations (timing decides nothing here): its bytes per link against what
+the engine really moved, its exposed times, and its bound following the
+profile (a slower disk, a shallower prefetch)."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import infinity
+from infinity.cli.estimate_time import predict, run_time, variants
+from infinity.cli.common import UsageError
+from infinity.engine.plan.profile import Profile, load_profile, shipped_profiles
+from infinity.models import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
+import bench_predict  # noqa: E402
+
+GCFG = GPTConfig(vocab_size=128, block_size=32, n_layer=3, n_head=2, n_embd=64)
+
+
+def profile(**kw) -> Profile:
+    base = dict(name="test", source="made up", device="cpu", gemm_flops={"fp32": [[64, 1e10], [1024, 2e10]]},
+                mem_bw=1e10, op_overhead_s=1e-5, h2d_bw=1e9, d2h_bw=1e9, adamw_params_per_s={"fp32": 1e8},
+                disk_read_bw=1e9, disk_write_bw=1e9, slow={"disk_read<disk_write": 1.0, "disk_write<disk_read": 1.0})
+    base.update(kw)
+    return Profile(**base)
+
+
+def meta_model(batch=2, **kw):
+    with torch.device("meta"):
+        m = GPT(dataclasses.replace(GCFG, **kw))
+    x = torch.zeros(batch, GCFG.block_size, dtype=torch.long, device="meta")
+    return m, (lambda mm: mm(x, x))
+
+
+def config(tmp_path, **kw):
+    return infinity.Config(device="cpu", dtype="fp32", swap_paths=[str(tmp_path)], **kw)
+
+
+def measured_bytes(cfg) -> dict:
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(GPT(GCFG), cfg, lr=1e-3)
+    x = torch.randint(0, GCFG.vocab_size, (2, GCFG.block_size))
+    for _ in range(3):
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    moved = dict(infinity.stats(model)["step_bytes_moved"])
+    infinity.close(model)
+    return moved
+
+
+@pytest.mark.parametrize("kw", [{}, {"prefetch_depth": 0, "device_memory": "min"},
+                                {"offload_optimizer": "nvme", "overlap": "backward"}],
+                         ids=["resident", "min-budget-depth0", "nvme-backward"])
+def test_bytes_per_link_are_the_engines(tmp_path, kw):
+    kw = dict(kw)
+    cfg = config(tmp_path)
+    if kw.pop("device_memory", None) == "min":
+        from infinity.cli.estimate import estimate
+        cfg = dataclasses.replace(cfg, device_memory=estimate(meta_model()[0], cfg)["device"]["minimum"])
+    cfg = dataclasses.replace(cfg, **kw)
+    m, fwd = meta_model()
+    pr = predict(m, cfg, fwd, profile())
+    got = measured_bytes(cfg)
+    assert pr.bytes["h2d"] == got["h2d"] and pr.bytes["d2h"] == got["d2h"]
+    assert pr.bytes["nvme_read"] == got.get("nvme_read", 0) and pr.bytes["nvme_write"] == got.get("nvme_write", 0)
+    assert sum(pr.exposed.values()) == pytest.approx(pr.seconds)
+    assert pr.bound == max(pr.exposed, key=pr.exposed.get)
+
+
+def test_bound_follows_the_disk(tmp_path):
+    cfg = config(tmp_path, offload_optimizer="nvme", overlap="step")
+    m, fwd = meta_model()
+    fast = predict(m, cfg, fwd, profile(disk_read_bw=1e11, disk_write_bw=1e11))
+    assert fast.bound == "compute"
+    slow = predict(m, cfg, fwd, profile(disk_read_bw=1e6, disk_write_bw=1e6))
+    assert slow.bound.startswith("disk_")
+    half = predict(m, cfg, fwd, profile(disk_read_bw=5e5, disk_write_bw=5e5))
+    disk = lambda p: p.exposed.get("disk_read", 0) + p.exposed.get("disk_write", 0)  # noqa: E731
+    assert disk(half) > 1.9 * disk(slow) and half.seconds > slow.seconds
+
+
+def test_prefetch_hides_slow_copies(tmp_path):
+    from infinity.cli.estimate import estimate
+    m, fwd = meta_model()
+    cfg = config(tmp_path)
+    cfg = dataclasses.replace(cfg, device_memory=estimate(m, cfg)["device"]["minimum"] * 2)
+    prof = profile(h2d_bw=3e7)
+    shallow = predict(m, dataclasses.replace(cfg, prefetch_depth=0), fwd, prof)
+    deep = predict(m, dataclasses.replace(cfg, prefetch_depth=1), fwd, prof)
+    assert deep.exposed["h2d"] < shallow.exposed["h2d"]
+    assert deep.seconds < shallow.seconds
+
+
+def test_overlap_modes_hide_the_optimizer(tmp_path):
+    m, fwd = meta_model()
+    prof = profile(adamw_params_per_s={"fp32": 3e6})
+    step = predict(m, config(tmp_path, overlap="step"), fwd, prof)
+    back = predict(m, config(tmp_path, overlap="backward"), fwd, prof)
+    assert step.bound == "optimizer"
+    assert back.exposed.get("optimizer", 0) < step.exposed["optimizer"]
+    # Clipping needs every gradient: the updates wait for step() as with overlap="step".
+    clipped = predict(m, config(tmp_path, overlap="backward", max_grad_norm=1.0), fwd, prof)
+    assert clipped.seconds == pytest.approx(step.seconds)
+
+
+def test_checkpointing_adds_the_recompute():
+    from infinity.engine.plan.costs import count_pass
+    got = {}
+    for ck in (False, True):
+        m, fwd = meta_model(checkpoint=ck)
+        units = {i + 1: [b] for i, b in enumerate(m.blocks)}
+        c = count_pass(m, fwd, units, torch.float32)
+        got[ck] = c.flops("forward", 1), c.flops("backward", 1)
+    (f0, b0), (f1, b1) = got[False], got[True]
+    assert f0 == f1 and b0 == 2 * f0  # a backward's products are twice the forward's
+    # The recompute runs in the unit's backward; torch stops it once the saved
+    # tensors are back (the block's last linear is not recomputed).
+    assert 0.5 * f0 < b1 - b0 < f0
+
+
+def test_ci_rows_of_the_bench_predict(tmp_path):
+    prof = profile()
+    for i in bench_predict.CI_ROWS:
+        pr = bench_predict.predict_row(i, prof)
+        assert pr.seconds > 0 and pr.bound in pr.exposed
+
+
+def test_variants_and_cli_section(tmp_path):
+    m, fwd = meta_model()
+    cfg = config(tmp_path)
+    vs = variants(cfg)
+    assert vs[0] is cfg and len(vs) == 10
+    assert not any(v.overlap == "delayed" and v.offload_optimizer == "nvme" for v in vs)
+    p = tmp_path / "p.json"
+    p.write_text(profile().to_json())
+    out = run_time(m, cfg, fwd, 1, False, str(p))
+    assert "fastest placement that fits" in out and out.count("overlap=") == 11
+    with pytest.raises(UsageError, match="--profile"):
+        run_time(m, cfg, fwd, 1, False, None)
+    with pytest.raises(UsageError, match="ZeRO"):
+        run_time(m, cfg, fwd, 2, False, str(p))
+
+
+def test_profiles_load_and_bad_ones_are_named(tmp_path):
+    assert {"h200-pcie5-nvme", "rtx4090-pcie4-nvme"} <= set(shipped_profiles())
+    h200 = load_profile("h200-pcie5-nvme")
+    assert h200.device == "cuda" and "PM1743" in h200.source
+    bad = json.loads(profile().to_json())
+    bad["disk_read_bw"] = 0
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="disk_read_bw=0"):
+        load_profile(str(tmp_path / "bad.json"))
+    bad["disk_read_bw"], bad["slow"] = 1e9, {"gpu<h2d": 1.0}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="slow\\['gpu<h2d'\\]"):
+        load_profile(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="no such file"):
+        load_profile(str(tmp_path / "none.json"))
+
+
+def test_gpu_profile_predicts_a_cuda_config(tmp_path):
+    m, fwd = meta_model(batch=64, n_embd=1024, n_head=8)
+    cfg = infinity.Config(device="cuda", dtype="bf16", swap_paths=[str(tmp_path)], offload_optimizer="nvme")
+    h200, rtx = load_profile("h200-pcie5-nvme"), load_profile("rtx4090-pcie4-nvme")
+    a, b = predict(m, cfg, fwd, h200), predict(m, cfg, fwd, rtx)
+    assert 0 < a.seconds < b.seconds
+
+
+@pytest.mark.slow
+def test_doctor_writes_a_profile_that_loads(tmp_path):
+    from infinity.cli import main
+    out = tmp_path / "prof.json"
+    assert main(["doctor", "--profile", str(out), "--dtype", "fp32", "--swap-path", str(tmp_path / "swap")]) == 0
+    prof = load_profile(str(out))
+    assert prof.device == "cpu" and prof.extra["seconds_to_measure"] < 60
+    assert {"compute<h2d", "h2d<compute", "compute<optimizer"} <= set(prof.slow)
+
+
+def test_what_if_names_the_second_swap_path(tmp_path):
+    from infinity.cli.estimate_time import what_if
+    from infinity.engine.plan.costs import count_pass
+    from infinity.engine.plan.estimator import placed
+    m, fwd = meta_model()
+    cfg = config(tmp_path, offload_optimizer="nvme")
+    costs = count_pass(m, fwd, {u.index: u.modules for u in placed(m, cfg)[0][1:]}, torch.float32)
+    lines = what_if(m, cfg, fwd, profile(disk_read_bw=1e6, disk_write_bw=1e6), costs)
+    assert any(x.startswith("a second swap path of the same speed would cut the step") for x in lines)
+    assert what_if(m, cfg, fwd, profile(disk_read_bw=1e12, disk_write_bw=1e12), costs) == []
