@@ -1,6 +1,6 @@
 """Weights in the Hugging Face layout: ``model-0000x-of-0000y.safetensors``
 shards and ``model.safetensors.index.json`` (plus ``config.json`` for a
-Hugging Face model), so ``from_pretrained(out_dir)`` loads a model trained
+Hugging Face model or the built-in GPT), so ``from_pretrained(out_dir)`` loads a model trained
 through infinity.
 
 ``export_pretrained`` streams a live model's weights out of the tiers unit by
@@ -20,9 +20,11 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..config.runtime import parse_bytes
+from ..models.gpt import GPTConfig
 from . import layout
 from .load import ManifestFiles
 from .manifest import check_files, read_manifest
+from .safe_files import CorruptCheckpointError
 from .safetensors_io import ShardWriter, record_dtype, split_shards
 
 __all__ = ["export_pretrained", "consolidate", "INDEX_NAME"]
@@ -72,20 +74,53 @@ def _write_hf(out_dir: str, items: Sequence[Source], dtype: torch.dtype, max_sha
         if config_json is not None:
             with open(os.path.join(part, "config.json"), "w") as f:
                 f.write(config_json)
+        mode = _shared_mode()
         for fname in names + (["config.json"] if config_json is not None else []):
+            os.chmod(os.path.join(part, fname), mode)
             os.replace(os.path.join(part, fname), os.path.join(out_dir, fname))
         if len(names) > 1:
             layout.write_json_atomic(os.path.join(out_dir, INDEX_NAME),
                                      {"metadata": {"total_size": total}, "weight_map": weight_map})
+            os.chmod(os.path.join(out_dir, INDEX_NAME), mode)
         layout.fsync_dir(out_dir)
     finally:
         shutil.rmtree(part, ignore_errors=True)
     return names
 
 
+def _shared_mode() -> int:
+    """The mode of a file made for sharing: 0666 less the umask, as any tool
+    writes one (the writers make theirs 0600, right for checkpoints, which
+    are private, but not for an export meant to be handed on)."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _hf_config(model) -> Optional[str]:
     cfg = getattr(model, "config", None)
-    return cfg.to_json_string() if cfg is not None and hasattr(cfg, "to_json_string") else None
+    if cfg is not None and hasattr(cfg, "to_json_string"):
+        return cfg.to_json_string()
+    gpt = getattr(model, "cfg", None)
+    return json.dumps(gpt.to_json_dict(), indent=2) if isinstance(gpt, GPTConfig) else None
+
+
+def _model_config(m: dict, ckpt: str) -> Optional[str]:
+    """``config.json`` of a checkpoint's manifest: a Hugging Face model's as
+    saved, the built-in GPT's checked field by field (the manifest is input
+    from someone else, [Note: a checkpoint is input from someone else])."""
+    if m.get("hf_config") is not None:
+        return json.dumps(m["hf_config"], indent=2)
+    if m.get("model_config") is None:
+        return None
+    try:
+        return json.dumps(GPTConfig.from_json_dict(m["model_config"]).to_json_dict(), indent=2)
+    except (TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{ckpt}: manifest field 'model_config': {e}") from None
 
 
 def export_pretrained(model, out_dir, *, dtype: Union[str, torch.dtype] = "bf16",
@@ -120,7 +155,9 @@ def consolidate(checkpoint, out_dir, *, dtype: Union[str, torch.dtype] = "bf16",
     """Converts the weights of the checkpoint at ``checkpoint`` (or the newest
     under it) to the Hugging Face layout in ``out_dir``, one tensor in memory
     at a time (no model, no engine); ``config.json`` too when the checkpoint
-    was saved from a Hugging Face model. Returns the shard file names."""
+    was saved from a Hugging Face model or the built-in GPT
+    (``GPTConfig.from_json_dict`` reads it back). Files get the umask's
+    normal mode (0644 under umask 022). Returns the shard file names."""
     ckpt = layout.resolve(checkpoint)
     m = read_manifest(ckpt)  # every name, offset and length checked; then the files' sizes, before any read
     check_files(ckpt, m)
@@ -129,6 +166,4 @@ def consolidate(checkpoint, out_dir, *, dtype: Union[str, torch.dtype] = "bf16",
     with ManifestFiles(ckpt) as files:
         items = [(n, record_dtype(r), tuple(r["shape"]),
                   lambda r=r: files.read(r, record_dtype(r), r["shape"])) for n, r in recs]
-        cfg = m.get("hf_config")
-        return _write_hf(os.fspath(out_dir), items, _target(dtype), max_shard_size,
-                         json.dumps(cfg, indent=2) if cfg is not None else None)
+        return _write_hf(os.fspath(out_dir), items, _target(dtype), max_shard_size, _model_config(m, ckpt))

@@ -33,6 +33,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from ..models.gpt import GPTConfig
 from ..config.runtime import format_bytes
 from ..engine.faults import UsageError
 from . import layout, owner, rng
@@ -104,6 +105,8 @@ def save_checkpoint(path, model, optimizer, *, lr_scheduler=None, extra: Optiona
     if hf is not None and hasattr(hf, "to_json_string"):  # a Hugging Face model: consolidate writes config.json
         import json
         meta["hf_config"] = json.loads(hf.to_json_string())
+    elif isinstance(getattr(model, "cfg", None), GPTConfig):  # the built-in GPT: so does its config
+        meta["model_config"] = model.cfg.to_json_dict()
     own_rng = rng.capture()  # now: training goes on drawing numbers while a background save writes
     partial = layout.partial_dir(root, step)
     lock = _prepare_on_rank0(eng, root, partial, plan)

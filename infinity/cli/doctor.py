@@ -23,7 +23,7 @@ from ..config.runtime import Config, format_bytes, parse_bytes
 from .common import UsageError
 from .estimate import nvme_need
 from .doctor_checks import FAIL, OK, WARN, Check, check_bandwidth, check_cuda, check_direct, check_fs, \
-    check_lock, check_memlock, check_native, check_path, check_space
+    check_lock, check_memlock, check_native, check_path, check_space, free_bytes
 
 PROBE_BYTES = 64 << 20
 
@@ -54,13 +54,29 @@ def diagnose_path(path: str, need: Optional[int], probe_bytes: int, block_size: 
     try:
         rows += check_direct(path, probe)
         rows += check_space(path, base, need)
-        try:
-            rows += check_bandwidth(path, probe, probe_bytes, block_size)
-        except Exception as exc:  # noqa: BLE001 - reported as a row, the other checks still run
-            rows.append(Check(path, "bandwidth", FAIL, f"the probe failed: {exc}", "see the error"))
+        rows += _bandwidth(path, probe, probe_bytes, block_size, free_bytes(base))
     finally:
         shutil.rmtree(probe, ignore_errors=True)
     return rows + check_lock(path)
+
+
+def _bandwidth(path: str, probe: str, probe_bytes: int, block_size: int, free: int) -> List[Check]:
+    """The bandwidth row, its probe (and blocks) sized to at most half the free
+    space: a nearly full disk is measured with less, not failed by the probe."""
+    room = free // 2 // 4096 * 4096
+    block_size = min(block_size, max(room, 4096))
+    size = min(probe_bytes, room // block_size * block_size)
+    if size < 4096:
+        return [Check(path, "bandwidth", WARN, f"not measured: {format_bytes(free)} free",
+                      "free space on this filesystem: a run cannot write its swap files either")]
+    try:
+        rows = check_bandwidth(path, probe, size, block_size)
+    except Exception as exc:  # noqa: BLE001 - reported as a row, the other checks still run
+        return [Check(path, "bandwidth", FAIL, f"the {format_bytes(size)} probe failed: {type(exc).__name__}: "
+                      f"{exc}", "fix what the error names; a run on this path would meet it too")]
+    if size < probe_bytes:
+        rows[0].detail += f"; probe shrunk from {format_bytes(probe_bytes)} to half the free space"
+    return rows
 
 
 def render(rows: List[Check]) -> str:

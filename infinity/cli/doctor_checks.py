@@ -41,8 +41,41 @@ def nearest_existing(path: str) -> str:
     return p
 
 
+def free_bytes(where: str) -> int:
+    """Bytes an unprivileged writer may still put on the filesystem of ``where``."""
+    st = os.statvfs(where)
+    return st.f_bavail * st.f_frsize
+
+
+def check_link(path: str) -> Tuple[List[Check], Optional[str]]:
+    """The swap path as a symbolic link: where it points and whether the
+    swap-path rules allow it ([Note: ownership of swap files] in
+    infinity/io/swap/dir.py: the configured path is followed, links below it
+    are refused). Returns the rows and the directory probes may use (None:
+    none); ``([], None)`` when ``path`` is not a link."""
+    p = os.path.abspath(path)
+    if not os.path.islink(p):
+        return [], None
+    target, real = os.readlink(p), os.path.realpath(p)
+    if not os.path.exists(real):
+        return [Check(path, "path", FAIL, f"a symbolic link to '{target}', which does not exist: initialize "
+                      "cannot open it (infinity follows a link at the swap path but makes no folder through it)",
+                      f"mkdir -m 700 -p '{real}', or point the link at an existing folder")], None
+    if not os.path.isdir(real):
+        return [Check(path, "path", FAIL, f"a symbolic link to '{target}', which is not a directory",
+                      "point the link at a directory, or choose another swap path")], None
+    ok = os.access(real, os.W_OK | os.X_OK)
+    detail = (f"a symbolic link to '{target}' ('{real}'): allowed, infinity follows the swap path itself "
+              "(links below it are refused)" + ("" if ok else f"; '{real}' is not writable by this user"))
+    return [Check(path, "path", OK if ok else FAIL, detail,
+                  "" if ok else f"chown {os.geteuid()} '{real}' or choose another swap path")], real if ok else None
+
+
 def check_path(path: str) -> Tuple[List[Check], Optional[str]]:
     """Rows for existence/creatability, and the directory probes may use (None: none)."""
+    rows, base = check_link(path)
+    if rows:
+        return rows, base
     p = os.path.abspath(path)
     anc = nearest_existing(p)
     if os.path.isdir(anc) and os.statvfs(anc).f_flag & os.ST_RDONLY:
@@ -119,8 +152,7 @@ def check_direct(path: str, probe_dir: str) -> List[Check]:
 
 def check_space(path: str, where: str, need: Optional[int]) -> List[Check]:
     """Free space against ``need`` bytes (the run's share of this path)."""
-    st = os.statvfs(where)
-    free = st.f_bavail * st.f_frsize
+    free = free_bytes(where)
     if need is None:
         return [Check(path, "free space", OK, f"{format_bytes(free)} free (no need given: --need or CONFIG)")]
     if need == 0:
@@ -190,6 +222,13 @@ def check_lock(path: str) -> List[Check]:
         return [Check(path, "lock", OK, "no lock (directory absent)")]
     dirs = [p] + [os.path.join(p, d) for d in sorted(os.listdir(p)) if d.startswith("rank")]
     rows = []
+    for d in dirs[1:]:
+        if os.path.islink(d):  # as SwapStore refuses it (io/swap/dir.py _refuse_link)
+            rows.append(Check(path, "lock", FAIL, f"'{d}' is a symbolic link (to '{os.readlink(d)}') below the "
+                              "swap path: infinity refuses it (SwapPathUnsafeError), so no lock, swap file or "
+                              "clean-up reaches the folder it leads to",
+                              f"remove the link (rm '{d}') or give that folder as the swap path"))
+    dirs = [d for d in dirs if not os.path.islink(d)]
     for d in dirs:
         state = _lock_state(os.path.join(d, LOCK_NAME))
         if state:

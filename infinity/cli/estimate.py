@@ -4,9 +4,11 @@ each tier needs for a run, before any memory is touched.
 The model is built on the meta device and split into paging units exactly as
 ``infinity.initialize`` splits it; the figures then come from the engine's
 own placement arithmetic (``infinity.engine.plan.placement``), so they are the
-numbers ``initialize`` checks its budgets against. Not counted: activations
-and autograd's temporaries on the device, the CUDA context, the Python and
-torch runtime in host RAM.
+numbers ``initialize`` checks its budgets against. Then the peak of each
+tier with its parts (activations included), whether the device's need fits
+``--device-size``, and a placement for this machine. Every figure is one
+rank's of ``--world`` ranks. Not counted: the CUDA context and allocator
+slack.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("estimate", help="estimate peak bytes per tier for a run file", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="run file (.toml/.json) or DeepSpeed JSON")
-    p.add_argument("--world", type=int, default=1, help="data-parallel ranks (ZeRO shares; default 1)")
+    p.add_argument("--world", "--world-size", dest="world", type=int, default=1,
+                   help="data-parallel ranks: every figure is one rank's (ZeRO shares the state; default 1)")
+    p.add_argument("--device-size", default=None,
+                   help="the accelerator's memory to check the device's need against (e.g. 80GiB; default: this "
+                        "machine's GPU when the run is on CUDA and one is here)")
     p.add_argument("--time", action="store_true", help="also predict the step time per placement and overlap mode")
     p.add_argument("--profile", help="hardware profile for --time: a file from `infinity doctor --profile`, or "
                    "a shipped one by name (h200-pcie5-nvme, rtx4090-pcie4-nvme)")
@@ -84,9 +90,10 @@ def load_run_for_estimate(config_path: str) -> tuple:
     x = torch.zeros(d.micro_batch, d.seq_len, dtype=torch.long, device="meta")
     if run.model.path:
         # Hugging Face's mask building reads values (.item()), which meta tensors have not: a ready 4-D
-        # mask of the same shape skips it and costs the forward the same memory.
-        mask = torch.zeros(d.micro_batch, 1, d.seq_len, d.seq_len, device="meta")
-        return run.config, model, (lambda m: m(input_ids=x, attention_mask=mask).logits.float().sum()), \
+        # mask skips it. The run itself has none (causal attention), so the stand-in is one element
+        # broadcast: it costs the count nothing.
+        mask = torch.zeros(1, 1, 1, 1, device="meta").expand(d.micro_batch, 1, d.seq_len, d.seq_len)
+        return run.config, model, (lambda m: m(input_ids=x, attention_mask=mask, labels=x).loss), \
             bool(run.model.lazy)
     return run.config, model, (lambda m: loss(m, x, x)), bool(run.model.lazy)
 
@@ -131,9 +138,11 @@ _PEAK_PARTS = {
 }
 
 
-def render_peaks(peaks: dict) -> str:
-    """The predicted peak of each tier and its parts (see infinity.engine.plan.estimator)."""
-    lines = ["", f"{'TIER':7}{'PEAK':>16}  {'':12}PARTS"]
+def render_peaks(peaks: dict, world: int = 1) -> str:
+    """The predicted peak of each tier on one of ``world`` ranks and its parts
+    (see infinity.engine.plan.estimator): what the run needs."""
+    lines = ["", f"NEED PER RANK ({world} rank{'s' if world > 1 else ''})",
+             f"{'TIER':7}{'PEAK':>16}  {'':12}PARTS"]
     for tier in ("device", "host", "nvme", "rss"):
         p = peaks[tier]
         parts = ", ".join(f"{k} {format_bytes(p[k])}" for k in _PEAK_PARTS.get(tier, ()) if p.get(k))
@@ -144,7 +153,7 @@ def render_peaks(peaks: dict) -> str:
         return "\n".join(lines)
     lines.append(f"\nactivations saved for backward: {format_bytes(a['saved'])} (one block {format_bytes(a['unit'])}, "
                  f"activation checkpointing {'on' if a['checkpointing'] else 'off'}); rss is the process's peak "
-                 "resident memory, device activations count beside the tier on CUDA")
+                 "resident memory; on CUDA the device peak holds the activations beside the model state")
     for mode in ("without", "with"):
         if f"peak_{mode}_checkpointing" in a:
             lines.append(f"activations at their peak {mode} activation checkpointing: "
@@ -152,52 +161,109 @@ def render_peaks(peaks: dict) -> str:
     return "\n".join(lines)
 
 
+def device_fit(peaks: dict, size: Optional[int]) -> tuple:
+    """``(fits, line)``: whether the device's need (model state and
+    activations) fits a device of ``size`` bytes, said in a line; ``(True,
+    None)`` when the size is unknown or the run is on the CPU."""
+    d, a = peaks["device"], peaks["activations"]
+    if size is None or not d.get("activations"):
+        return True, None
+    need = d["peak"]
+    if need <= size:
+        return True, f"device: needs {format_bytes(need)} of the device's {format_bytes(size)}: fits"
+    other = "peak_with_checkpointing"
+    alt = d["model_state_peak"] + a[other] if other in a and not a["checkpointing"] else None
+    return False, (f"device: needs {format_bytes(need)} (model state {format_bytes(d['model_state_peak'])} + activations "
+            f"{format_bytes(d['activations'])}) but the device has {format_bytes(size)}: the activations do not "
+            "fit. " + (f"With activation checkpointing it needs {format_bytes(alt)}; " if alt else "")
+            + "a smaller micro-batch or sequence lowers the activations")
+
+
 def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: bool) -> str:
     """A placement for this machine: the first of none / host / nvme (with a
     host budget) whose predicted peaks fit the free device memory, 80% of the
-    RAM this process may use and the free disk on the swap paths."""
+    RAM this process may use and the free disk on the swap paths; if none
+    does, what the last one needs against what the machine has."""
     import dataclasses
     import shutil
 
     from ..system import sysinfo
-    from ..engine.plan.estimator import estimate_peaks
+    from ..engine.plan.estimator import compute_device, estimate_peaks
     from .doctor_checks import nearest_existing
     ram = int(0.8 * sysinfo.available_ram())
     disk = sum(shutil.disk_usage(nearest_existing(p)).free for p in config.swap_paths)
     gpu = None
-    from ..engine.plan.estimator import compute_device
     if compute_device(config).type == "cuda" and torch.cuda.is_available():
         gpu = torch.cuda.mem_get_info()[0]
+    have = {"rss": ram, "nvme": disk, "device": gpu}
+    need, over, p = None, [], None
     for place in ("none", "host", "nvme"):
-        cfg = dataclasses.replace(config, offload_params=place, offload_optimizer="host" if place == "none" else place,
-                                  device_memory=None if place == "none" else config.device_memory)
-        try:
+        try:  # a placement Config refuses (ZeRO-3 keeps the homes off the device) is not a suggestion
+            cfg = dataclasses.replace(config, offload_params=place,
+                                      offload_optimizer="host" if place == "none" else place,
+                                      device_memory=None if place == "none" else config.device_memory)
             p = estimate_peaks(model, cfg, forward, world=world, lazy=lazy)
         except ValueError:
             continue
-        dev_ok = gpu is None or p["device"]["peak"] + p["device"]["activations"] <= gpu
-        if dev_ok and p["rss"]["peak"] <= ram and p["nvme"]["peak"] <= disk:
+        need = {t: p[t]["peak"] for t in have}
+        over = [t for t in have if have[t] is not None and need[t] > have[t]]
+        if not over:
             return (f"suggested for this machine: offload_params={place!r}, offload_optimizer="
-                    f"{cfg.offload_optimizer!r} (predicted RSS {format_bytes(p['rss']['peak'])} of "
-                    f"{format_bytes(ram)} usable RAM, swap {format_bytes(p['nvme']['peak'])} of "
+                    f"{cfg.offload_optimizer!r} (predicted RSS {format_bytes(need['rss'])} of "
+                    f"{format_bytes(ram)} usable RAM, swap {format_bytes(need['nvme'])} of "
                     f"{format_bytes(disk)} free disk"
-                    + (f", device {format_bytes(p['device']['peak'])} of {format_bytes(gpu)} free" if gpu else "")
+                    + (f", device {format_bytes(need['device'])} of {format_bytes(gpu)} free" if gpu else "")
                     + ")")
-    return (f"no placement fits this machine: even with NVMe homes the run needs more than {format_bytes(ram)} "
-            f"of RAM or {format_bytes(disk)} of free disk on {config.swap_paths}; lower the micro-batch, turn on "
-            "activation checkpointing, or add swap paths")
+    if p is None:
+        return "no placement suggested: Config refuses every one of none, host and nvme for this run"
+    return _no_fit(need, have, over, p)
+
+
+_WHAT = {"rss": "of RAM (process peak)", "nvme": "of free disk on the swap paths", "device": "of free device memory"}
+
+
+def _no_fit(need: dict, have: dict, over: list, peaks: dict) -> str:
+    """The need of the NVMe placement against this machine, per tier over, and what lowers it."""
+    short = "; ".join(f"{format_bytes(need[t])} {_WHAT[t]}, this machine has {format_bytes(have[t])}" for t in over)
+    act, host, fixes = peaks["activations"], peaks["host"], []
+    if "nvme" in over:
+        fixes.append("add swap paths on other disks or free disk space")
+    if ("rss" in over and peaks["rss"]["activations"]) or ("device" in over and peaks["device"]["activations"]):
+        if not act.get("checkpointing") and "peak_with_checkpointing" in act:
+            fixes.append("turn on activation checkpointing")
+        fixes.append("lower the micro-batch or sequence length (the activations)")
+    if "rss" in over and host["peak"] > host["minimum"]:
+        fixes.append(f"lower host_memory toward the host minimum {format_bytes(host['minimum'])} (the NVMe "
+                     "placement's pool caches up to its budget)")
+    if "rss" in over and host["peak"] <= host["minimum"]:
+        fixes.append(f"a machine with more RAM: the host minimum alone is {format_bytes(host['minimum'])}")
+    return f"no placement fits this machine: with NVMe homes the run needs {short}; " + ", or ".join(fixes)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints the estimate of the run file; 1 when a given budget is below a minimum."""
-    from ..engine.plan.estimator import estimate_peaks
+    """Prints the estimate of the run file; 1 when a given budget is below a
+    minimum or the device's need does not fit ``--device-size``."""
+    from ..config.validate import parse_bytes
+    from ..engine.plan.estimator import compute_device, estimate_peaks
     config, model, forward, lazy = load_run_for_estimate(args.config)
+    try:
+        size = parse_bytes(args.device_size, "--device-size") if args.device_size is not None else None
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if args.world < 1:
+        raise UsageError(f"--world={args.world}: must be >= 1")
+    if size is None and compute_device(config).type == "cuda" and torch.cuda.is_available():
+        size = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     est = estimate(model, config, args.world)
     print(render(est))
-    print(render_peaks(estimate_peaks(model, config, forward, world=args.world, lazy=lazy)))
+    peaks = estimate_peaks(model, config, forward, world=args.world, lazy=lazy)
+    print(render_peaks(peaks, args.world))
+    fits, line = device_fit(peaks, size)
+    if line:
+        print(line)
     print(suggest(model, config, forward, args.world, lazy))
     if args.time:
         from .estimate_time import run_time
         print(run_time(model, config, forward, args.world, lazy, args.profile))
     short = any(est[t]["budget"] is not None and est[t]["budget"] < est[t]["minimum"] for t in ("device", "host"))
-    return 1 if short else 0
+    return 1 if short or not fits else 0

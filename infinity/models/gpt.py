@@ -3,6 +3,7 @@ self-attention and MLP, tied or untied output head), sized by a config."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+MODEL_TYPE = "infinity-gpt"  # config.json's model_type for the built-in GPT
 
 
 @dataclass
@@ -25,6 +28,27 @@ class GPTConfig:
     # shift-invariant), so Adam amplifies rounding noise in it: tests that
     # compare two implementations leave it out.
     qkv_bias: bool = True
+
+    def to_json_dict(self) -> dict:
+        """The fields as ``config.json`` holds them beside consolidated weights,
+        tagged ``model_type`` ``"infinity-gpt"`` (read back by :meth:`from_json_dict`)."""
+        return {"model_type": MODEL_TYPE, "architectures": ["GPT"], **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "GPTConfig":
+        """The config a :meth:`to_json_dict` dict describes; ValueError naming
+        the key at fault (another model type, an unknown key, a wrong type)."""
+        if not isinstance(d, dict) or d.get("model_type") != MODEL_TYPE:
+            got = d.get("model_type") if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"model_type={got!r}: not the built-in GPT's config ({MODEL_TYPE!r})")
+        kinds = {f.name: type(f.default) for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in d.items() if k not in ("model_type", "architectures")}
+        for k, v in fields.items():
+            if k not in kinds:
+                raise ValueError(f"{k!r}: not a GPTConfig field (fields: {sorted(kinds)})")
+            if type(v) is not kinds[k] or (kinds[k] is int and v < 1):
+                raise ValueError(f"{k}={v!r}: must be {'a positive int' if kinds[k] is int else kinds[k].__name__}")
+        return cls(**fields)
 
     def num_params(self) -> int:
         """Parameters of this configuration (tied head counted once)."""

@@ -41,7 +41,9 @@ BASE = dict(layers=4, embd=256, seq=128, batch=8, ckpt=False, place="host", zero
             dev=14 << 20, host=256 << 20)
 CONFIGS = [BASE, dict(BASE, ckpt=True, batch=16), dict(BASE, place="nvme", host=48 << 20),
            dict(BASE, place="nvme", host=48 << 20, ckpt=True, batch=16), dict(BASE, zero=3, world=2),
-           dict(BASE, zero=3, world=2, place="nvme", host=60 << 20, batch=16)]
+           dict(BASE, zero=3, world=2, place="nvme", host=60 << 20, batch=16),
+           # A Hugging Face Llama with SDPA at sequence 2048: attention saved as its fused kernel saves it.
+           dict(BASE, arch="llama", seq=2048, batch=1, dev=24 << 20, host=512 << 20)]
 # Larger models the constants were not fitted on (--extra).
 EXTRA = [dict(BASE, layers=8, embd=384, seq=256, dev=40 << 20, host=1 << 30),
          dict(BASE, arch="llama", layers=4, embd=256, dev=24 << 20, host=512 << 20),
@@ -113,9 +115,9 @@ def _arch(c: dict, gcfg):
                      num_hidden_layers=c["layers"], num_attention_heads=4, num_key_value_heads=4,
                      max_position_embeddings=c["seq"])
 
-    def meta_loss(m, x):  # what `infinity estimate` runs for a Hugging Face model (see cli/doctor.py)
-        mask = torch.zeros(x.shape[0], 1, x.shape[1], x.shape[1], device="meta")
-        return m(input_ids=x, attention_mask=mask).logits.float().sum()
+    def meta_loss(m, x):  # what `infinity estimate` runs for a Hugging Face model (see cli/estimate.py)
+        mask = torch.zeros(1, 1, 1, 1, device="meta").expand(x.shape[0], 1, x.shape[1], x.shape[1])
+        return m(input_ids=x, attention_mask=mask, labels=x).loss
 
     return (lambda: LlamaForCausalLM(lc)), (lambda m, x: m(input_ids=x, labels=x).loss), meta_loss
 

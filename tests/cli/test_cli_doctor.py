@@ -153,3 +153,60 @@ def test_locked_path_fails(tmp_path, capsys):
 
 def test_bad_need_is_a_usage_error(tmp_path):
     assert cli("doctor", "--swap-path", tmp_path, "--need", "lots") == 2
+
+
+def test_dangling_symlink_fails_naming_its_target(tmp_path, capsys):
+    """It said "missing; infinity will create it", exit 0, measured the parent; initialize then failed."""
+    link = tmp_path / "swap"
+    link.symlink_to(tmp_path / "gone")
+    assert cli("doctor", "--swap-path", link, *FAST) == 1
+    out = capsys.readouterr().out
+    assert _status(out, link, "path") == "FAIL" and f"a symbolic link to '{tmp_path / 'gone'}', which does not " \
+        "exist" in out and "bandwidth" not in out
+    assert not (tmp_path / "gone").exists()
+
+
+def test_symlink_to_a_folder_is_followed_and_checked_there(tmp_path, capsys):
+    real = tmp_path / "disk"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "swap"
+    link.symlink_to(real)
+    assert cli("doctor", "--swap-path", link, "--need", "1MiB", *FAST) == 0
+    out = capsys.readouterr().out
+    assert _status(out, link, "path") == "OK" and f"a symbolic link to '{real}'" in out and "allowed" in out
+    assert _status(out, link, "free space") == "OK" and _status(out, link, "bandwidth") in ("OK", "WARN")
+    assert os.listdir(real) == []  # the probes ran in the target and left nothing
+
+
+def test_a_rank_folder_that_is_a_symlink_fails_as_the_store_refuses_it(tmp_path, capsys):
+    p = tmp_path / "swap"
+    p.mkdir(mode=0o700)
+    (tmp_path / "elsewhere").mkdir()
+    (p / "rank0").symlink_to(tmp_path / "elsewhere")
+    assert cli("doctor", "--swap-path", p, *FAST) == 1
+    out = capsys.readouterr().out
+    assert _status(out, p, "lock") == "FAIL" and "is a symbolic link (to" in out and "SwapPathUnsafeError" in out
+    import infinity
+    from infinity.io.errors import SwapPathUnsafeError
+    m = __import__("torch").nn.Sequential(__import__("torch").nn.Linear(4, 4))
+    with pytest.raises(SwapPathUnsafeError):  # the rule the doctor reports is the store's
+        infinity.initialize(m, infinity.Config(device="cpu", offload_params="nvme", offload_optimizer="nvme",
+                                               swap_paths=[str(p)]), lr=1e-3)
+
+
+def test_probe_fits_a_nearly_full_disk(tmp_path, capsys, monkeypatch):
+    """The 64 MiB probe itself failed on a nearly full filesystem ("see the error")."""
+    from infinity.cli import doctor
+    p = tmp_path / "swap"
+    p.mkdir(mode=0o700)
+    for mod in (doctor, doctor_checks):
+        monkeypatch.setattr(mod, "free_bytes", lambda where: 5 << 20)
+    assert cli("doctor", "--swap-path", p, "--probe-bytes", "64MiB") == 0
+    out = capsys.readouterr().out
+    assert "(2.50 MiB, " in out and "probe shrunk from 64.00 MiB to half the free space" in out
+    assert _status(out, p, "bandwidth") in ("OK", "WARN") and "5.00 MiB free" in out
+    for mod in (doctor, doctor_checks):
+        monkeypatch.setattr(mod, "free_bytes", lambda where: 6 << 10)
+    assert cli("doctor", "--swap-path", p, "--probe-bytes", "64MiB") == 0
+    out = capsys.readouterr().out
+    assert _status(out, p, "bandwidth") == "WARN" and "not measured: 6.00 KiB free" in out

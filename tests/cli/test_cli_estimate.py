@@ -1,10 +1,12 @@
 """`infinity estimate`: the placement figures against what a run really used."""
 
 import json
+import re
 
 from cli_utils import cli, run_file
 from infinity.cli.estimate import load_for_estimate
 from infinity.cli.estimate import estimate
+from infinity.config.runtime import format_bytes
 
 
 def test_estimate_matches_a_real_run(tmp_path, capsys):
@@ -74,3 +76,77 @@ def test_estimate_of_a_hugging_face_run_file_counts_activations(tmp_path, capsys
     out = capsys.readouterr().out
     assert "activations saved for backward" in out and "NOT counted" not in out
     assert "with activation checkpointing" in out
+
+
+def _meta_gpt():
+    import torch
+
+    from infinity.models import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128))
+    x = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    return model, (lambda m: m(x, x))
+
+
+def test_zero3_per_rank_need_falls_with_the_world_size(tmp_path, capsys):
+    """ZeRO-3 run files crashed in the suggestion (it tried homes on the device,
+    which Config refuses under ZeRO-3); the per-rank figures must fall with
+    the ranks."""
+    import infinity
+    from infinity.engine.plan.estimator import estimate_peaks
+    p = run_file(tmp_path, runtime='offload_params = "nvme"\noffload_optimizer = "nvme"\nzero_stage = 3')
+    assert cli("estimate", p, "--world-size", "2") == 0
+    out = capsys.readouterr().out
+    assert "NEED PER RANK (2 ranks)" in out and "suggested for this machine" in out
+    model, forward = _meta_gpt()
+    cfg = infinity.Config(device="cpu", dtype="fp32", offload_params="nvme", offload_optimizer="nvme", zero_stage=3,
+                          swap_paths=[str(tmp_path / "swap")])
+    peaks = [estimate_peaks(model, cfg, forward, world=w, baseline_rss=0) for w in (1, 2, 4)]
+    for a, b in zip(peaks, peaks[1:]):
+        assert b["nvme"]["peak"] < a["nvme"]["peak"] and b["host"]["model_state"] < a["host"]["model_state"]
+        assert b["host"]["minimum"] < a["host"]["minimum"] and b["rss"]["peak"] < a["rss"]["peak"]
+    assert peaks[1]["nvme"]["peak"] * 2 - peaks[0]["nvme"]["peak"] <= 64 * 4096  # halved, up to page rounding
+
+
+def test_device_peak_holds_the_activations_and_says_when_they_do_not_fit(tmp_path, capsys):
+    """A GPU plan's device peak left out its activations: the tables for a
+    small and a large device read the same."""
+    import infinity
+    from infinity.cli.estimate import device_fit
+    from infinity.engine.plan.estimator import estimate_peaks
+    model, forward = _meta_gpt()
+    cfg = infinity.Config(device="cuda", dtype="bf16", offload_params="host", offload_optimizer="host",
+                          swap_paths=[str(tmp_path / "swap")])
+    p = estimate_peaks(model, cfg, forward)
+    d, act = p["device"], p["activations"]
+    assert d["activations"] == act["peak_without_checkpointing"] > 0
+    assert d["peak"] == d["model_state_peak"] + d["activations"]
+    assert device_fit(p, d["peak"]) == (True, f"device: needs {format_bytes(d['peak'])} of the "
+                                                f"device's {format_bytes(d['peak'])}: fits")
+    fits, line = device_fit(p, d["peak"] - 1)
+    assert not fits and "the activations do not fit" in line
+    assert format_bytes(d["model_state_peak"] + act["peak_with_checkpointing"]) in line
+    run = run_file(tmp_path, runtime='offload_params = "host"\noffload_optimizer = "host"')
+    run.write_text(run.read_text().replace('device = "cpu"', 'device = "cuda"'))
+    assert cli("estimate", run, "--device-size", "1MiB") == 1
+    assert "the activations do not fit" in capsys.readouterr().out
+    assert cli("estimate", run, "--device-size", "1TiB") == 0
+    assert "of the device's 1.00 TiB: fits" in capsys.readouterr().out
+    assert cli("estimate", run, "--device-size", "lots") == 2
+
+
+def test_no_fit_states_the_need_not_the_machine(tmp_path, monkeypatch):
+    import infinity
+    from infinity.cli.estimate import suggest
+    from infinity.engine.plan.estimator import estimate_peaks
+    from infinity.system import sysinfo
+    model, forward = _meta_gpt()
+    cfg = infinity.Config(device="cpu", dtype="fp32", offload_params="nvme", offload_optimizer="nvme",
+                          host_memory="64MiB", swap_paths=[str(tmp_path / "swap")])
+    monkeypatch.setattr(sysinfo, "available_ram", lambda: 10 << 20)
+    got = suggest(model, cfg, forward, 1, False)
+    need = estimate_peaks(model, cfg, forward)["rss"]["peak"] / 2**20
+    said = re.match(r"no placement fits this machine: with NVMe homes the run needs ([0-9.]+) MiB of RAM "
+                    r"\(process peak\), this machine has 8.00 MiB;", got)
+    assert said and abs(float(said.group(1)) - need) < 8, (got, need)  # the baseline RSS moves a little
+    assert "turn on activation checkpointing" in got and "lower host_memory toward the host minimum" in got

@@ -122,3 +122,20 @@ def test_several_ranks_keep_the_prefetch_depth():
     avail[0] = mon.margin - 1
     mon.after_step()
     assert parts.residency.depth_limit is None and mon.level == 1
+
+
+@pytest.mark.parametrize("params,opt,said,not_said", [
+    ("nvme", "nvme", "lower prefetch_depth (now 2) or make the largest unit smaller (unit_classes)", "offload"),
+    ("host", "nvme", "offload_params='nvme' (now 'host') or make the largest unit smaller (unit_classes)",
+     "offload_optimizer"),
+    ("host", "host", "offload_params='nvme' (now 'host') or offload_optimizer='nvme' (now 'host')", "prefetch"),
+])
+def test_the_error_advises_what_the_placement_still_allows(params, opt, said, not_said):
+    """The pressure error advised "offload to 'nvme'" with both homes already on NVMe."""
+    mon, parts, avail, _ = monitor(params=params, opt=opt)
+    avail[0] = pr.CRITICAL - 1
+    with pytest.raises(MemoryPressureError) as e:
+        for _ in range(2 * pr.MAX_LEVEL + 4):
+            mon.after_step()
+    msg = str(e.value)
+    assert f"restart with less host_memory, {said}, or free RAM" in msg and not_said not in msg, msg

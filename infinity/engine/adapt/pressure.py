@@ -37,6 +37,7 @@ from typing import Callable, List, Tuple
 from ...system import sysinfo
 from ...config.runtime import format_bytes
 from ..plan.placement import NVME_CACHE_SPARE, round_pool
+from ..mechanism.tiers import host_fixes  # the fixes the placement still allows, as BudgetError says them
 
 __all__ = ["MemoryPressureError", "PressureMonitor"]
 
@@ -175,4 +176,4 @@ class PressureMonitor:
             f"({sysinfo.describe()}), below {self.critical} bytes, and infinity has given back all it can "
             f"(host pool in use {format_bytes(p.room.used_bytes)}, of which the placement needs "
             f"{format_bytes(self._floor)}). The training state is whole: save a checkpoint now "
-            "(infinity.save_checkpoint) and restart with less host_memory, offload to 'nvme', or free RAM")
+            f"(infinity.save_checkpoint) and restart with less host_memory, {host_fixes(p.modes)}, or free RAM")

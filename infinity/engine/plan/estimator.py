@@ -7,7 +7,9 @@ engine's own placement arithmetic (``infinity.engine.plan.placement``):
 - device: the arena fills with the pass units and as many paged units as fit
   (the arena is what the budget leaves after the gradient reserve and any
   device-side optimizer state), plus the gradients between autograd and their
-  copy out (about the largest parameter's);
+  copy out (about the largest parameter's), plus on CUDA the activations
+  (``device_memory`` budgets the model state; the activations come beside it
+  in the same memory, so the device's peak holds both);
 - host: the pool's permanent homes and, under ZeRO, the full gradients
   being reduced, the undo state of speculative updates; with NVMe homes
   the pool caches up to its budget;
@@ -21,8 +23,9 @@ engine's own placement arithmetic (``infinity.engine.plan.placement``):
 
 Activations are measured by running the model's forward on meta tensors and
 summing what autograd saves for backward (parameters excluded: they are the
-tiers'). Without checkpointing that is about the peak, since backward frees
-each block's saved tensors as it makes their gradients. With activation
+tiers'). Without checkpointing the peak is that plus one block's worth
+(``BACKWARD_UNITS``: the gradients of the block whose backward runs), since
+backward frees each block's saved tensors as it makes their gradients. With activation
 checkpointing only the checkpoints are saved, and a recomputed block's
 activations, their gradients and temporaries come on top during its backward:
 ``RECOMPUTE_UNITS`` blocks' worth (the most one unit's call saves, measured
@@ -31,7 +34,6 @@ with checkpointing off).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Dict, Optional
 
 import torch
@@ -42,11 +44,13 @@ from ...config.runtime import Config
 from .placement import Modes, device_need, host_need, modes_of, nbytes, nvme_capacity, place_unit
 from .units import build_units
 from .limits import STAGING_PER_PATH
+from .activations import activation_bytes
 
 __all__ = ["estimate_peaks", "activation_bytes", "placed", "compute_device", "RUNTIME_BYTES"]
 
 RUNTIME_BYTES = 48 << 20    # measured: RSS a step adds beyond the parts counted here (docs/cli.md)
 RECOMPUTE_UNITS = 3         # blocks' worth of activations a checkpointed block's backward holds (measured)
+BACKWARD_UNITS = 1          # blocks' worth of activation gradients beside what was saved, without checkpointing
 
 
 def compute_device(config: Config) -> torch.device:
@@ -65,88 +69,8 @@ def placed(model: nn.Module, config: Config, world: int = 1):
     return units, modes, [place_unit(u.layout, modes) for u in units]
 
 
-def activation_bytes(model: nn.Module, run: Callable[[nn.Module], torch.Tensor],
-                     unit_modules=()) -> Dict[str, int]:
-    """What autograd saves for backward in ``run(model)`` (a forward on meta
-    tensors returning the loss), parameters excluded, each storage once:
-    ``saved`` (bytes), ``unit`` (the most saved inside one call of one of
-    ``unit_modules``, the paging units' modules, measured with activation
-    checkpointing off: what a block's backward holds, and with checkpointing
-    what its recomputation adds), ``checkpointing`` (1 if the model
-    checkpoints) and ``saved_other`` (``saved`` with checkpointing the other
-    way, where the model can switch it: the built-in GPT, Hugging Face
-    models; else -1)."""
-    on = _checkpointing_state(model)
-    saved, unit = _saved(model, run, unit_modules)
-    other = -1
-    with _checkpointing(model, not on) as switched:
-        if switched:
-            other, unit_other = _saved(model, run, unit_modules)
-            unit = unit_other if on else unit
-    return {"saved": saved, "unit": unit, "checkpointing": int(on), "saved_other": other}
-
-
-def _saved(model: nn.Module, run, unit_modules):
-    """(bytes saved in all, the most saved within one unit module's call)."""
-    params = {id(p) for p in model.parameters()}
-    seen: Dict[int, int] = {}
-    keep, stack, per_call = [], [], [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(base) not in params and id(t) not in params and id(base) not in seen:
-            keep.append(base)  # referenced, so its id stays its own
-            seen[id(base)] = base.numel() * base.element_size()
-            if stack:
-                stack[-1] += seen[id(base)]
-        return t
-
-    def pre(mod, args):
-        stack.append(0)
-
-    def post(mod, args, out):
-        per_call.append(stack.pop())
-
-    handles = [h for m in unit_modules for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run(model)
-    finally:
-        for h in handles:
-            h.remove()
-    return sum(seen.values()), max(per_call)
-
-
-def _checkpointing_state(model: nn.Module) -> bool:
-    gpt = getattr(getattr(model, "cfg", None), "checkpoint", None)
-    return bool(gpt) if gpt is not None else bool(getattr(model, "is_gradient_checkpointing", False))
-
-
-@contextlib.contextmanager
-def _checkpointing(model: nn.Module, on: bool):
-    """Activation checkpointing switched to ``on`` for a measurement (the
-    built-in GPT's ``cfg.checkpoint``, Hugging Face's gradient checkpointing);
-    yields whether the model could be switched, and switches it back."""
-    was = _checkpointing_state(model)
-    cfg = getattr(model, "cfg", None)
-    if cfg is not None and hasattr(cfg, "checkpoint"):
-        cfg.checkpoint = on
-        try:
-            yield True
-        finally:
-            cfg.checkpoint = was
-    elif getattr(model, "supports_gradient_checkpointing", False):
-        (model.gradient_checkpointing_enable if on else model.gradient_checkpointing_disable)()
-        try:
-            yield True
-        finally:
-            (model.gradient_checkpointing_enable if was else model.gradient_checkpointing_disable)()
-    else:
-        yield False
-
-
 def _act_peak(saved: int, unit: int, checkpointing) -> int:
-    return saved + (RECOMPUTE_UNITS * unit if checkpointing else 0)
+    return saved + (RECOMPUTE_UNITS if checkpointing else BACKWARD_UNITS) * unit
 
 
 def _device_peak(places, modes: Modes, budget: Optional[int], largest_param_grad: int) -> Dict[str, int]:
@@ -169,11 +93,14 @@ def _device_peak(places, modes: Modes, budget: Optional[int], largest_param_grad
 def _host_peak(places, modes: Modes, config: Config) -> Dict[str, int]:
     h = host_need(places, modes)
     budget = config.host_memory
-    # With NVMe homes the pool caches up to its budget; else the homes plus
-    # the ZeRO reductions' full gradients in flight (the placement's minimum)
-    # and the speculative updates' undo state, as far as the budget holds it.
-    extra = (min(h.capacity, budget) if budget else h.capacity) - h.permanent if modes.nvme_used \
-        else h.minimum - h.permanent + (min(h.undo_bytes, max(0, budget - h.minimum)) if budget else h.undo_bytes)
+    # With NVMe homes the pool caches up to its budget (never below the
+    # placement's minimum: a smaller budget is refused, so the need is the
+    # minimum); else the homes plus the ZeRO reductions' full gradients in
+    # flight (the minimum) and the speculative updates' undo state, as far as
+    # the budget holds it.
+    cached = min(h.capacity, budget) if budget else h.capacity
+    undo = (min(h.undo_bytes, max(0, budget - h.minimum)) if budget else h.undo_bytes)
+    extra = max(cached, h.minimum) - h.permanent if modes.nvme_used else h.minimum - h.permanent + undo
     return {"model_state": h.permanent, "cache_and_transients": max(0, extra), "peak": h.permanent + max(0, extra),
             "minimum": h.minimum, "capacity": h.capacity, "budget": budget, "nvme_bytes": h.nvme_bytes}
 
@@ -201,9 +128,11 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
         except Exception as e:  # noqa: BLE001 - said in the result, not silently zero
             act["error"] = f"the forward does not run on meta tensors ({type(e).__name__}: {e})"
     # Without checkpointing the backward frees each block's saved tensors as it
-    # makes their gradients: the peak is about what was saved. With it, a
-    # recomputed block's activations, their gradients and temporaries come on
-    # top during its backward: about three blocks' worth (measured).
+    # makes their gradients: the peak is what was saved plus the gradients of
+    # the last block's activations, one block's worth (measured: a Llama at
+    # sequence 2048 peaks 76 MiB above its 225 MiB saved, one block 55 MiB).
+    # With checkpointing, a recomputed block's activations, their gradients and
+    # temporaries come on top during its backward: about three blocks' worth.
     act_peak = _act_peak(act["saved"], act["unit"], act["checkpointing"])
     if act["saved_other"] >= 0:  # the other way, for the user to compare
         act["peak_" + ("without" if act["checkpointing"] else "with") + "_checkpointing"] = \
@@ -218,6 +147,9 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
     rss = {"baseline": base, "model_fp32_at_initialize": model_fp32, "host_pool": host["peak"],
            "device_tier_in_ram": dev["peak"] if on_cpu else 0, "activations": act_peak if on_cpu else 0,
            "staging": staging, "runtime": RUNTIME_BYTES, "peak": base + max(training, at_init)}
-    dev["activations"] = 0 if on_cpu else act_peak  # on CUDA beside the tier, in the device's memory
+    # On CUDA the activations sit beside the tier in the device's memory: the
+    # device needs both (device_memory budgets the model state alone).
+    dev["activations"] = 0 if on_cpu else act_peak
+    dev["model_state_peak"], dev["peak"] = dev["peak"], dev["peak"] + dev["activations"]
     return {"device": dev, "host": host, "nvme": nvme, "rss": rss, "activations": act,
             "units": {"count": len(units), "parameters": sum(p.numel() for p in model.parameters())}}
