@@ -38,7 +38,6 @@ import math
 import os
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 

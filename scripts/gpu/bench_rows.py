@@ -305,7 +305,6 @@ def copy_probe(nbytes: int, device: torch.device, reps: int = 5) -> dict:
         out["d2h_GBps"] = nbytes / _timed(lambda: down.copy_(dev_b, non_blocking=True), device, reps) / 1e9
         both = _timed(lambda: _duplex(dev_a, up, down, dev_b, device), device, reps)
         out["duplex_GBps_each"] = nbytes / both / 1e9
-        del up, down, dev_a, dev_b
     finally:
         for b in bufs:
             b.release()

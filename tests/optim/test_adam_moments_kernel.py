@@ -9,7 +9,7 @@ import torch
 
 from infinity.optim import adamw_step_, moments
 from infinity.system import native
-from moment_reference import QB, ref_dequantize, ref_quantize, ref_step
+from moment_reference import QB, ref_quantize, ref_step
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native library not built")
 
