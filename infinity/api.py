@@ -230,7 +230,9 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     ``pressure_events`` (what the engine gave back under memory pressure,
     and when), ``host_cache_cap`` (the host cache's cap now, or None) and
     ``optimizer_threads`` (the CPU AdamW's threads: [Note: the optimizer's
-    thread budget] in engine/plan/limits.py).
+    thread budget] in engine/plan/limits.py); ``model_flops_per_token``
+    (FLOPs of one token's forward and backward: [Note: model FLOPs] in
+    progress.py; times tokens/s gives model FLOP/s, see ``infinity.on_steps``).
     """
     eng = engine_of(model)
     s = eng.stats
@@ -269,7 +271,15 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "pressure_events": list(eng.pressure.events),
         "host_cache_cap": eng.room.cap_bytes,
         "optimizer_threads": opt.threads if opt is not None else None,
+        "model_flops_per_token": _flops_per_token(eng),
     }
+
+
+def _flops_per_token(eng: Engine) -> int:
+    """See [Note: model FLOPs] in progress.py: 6 a trainable parameter, 4 a frozen one."""
+    trainable = sum(s.numel for u in eng.units for s in u.layout.slots if s.trainable)
+    frozen = sum(s.numel for u in eng.units for s in u.layout.slots if not s.trainable)
+    return 6 * trainable + 4 * frozen
 
 
 @torch.no_grad()

@@ -38,14 +38,7 @@ PEAK_TFLOPS = {
 def model_flops_per_token(model: nn.Module) -> int:
     """FLOPs of one token's forward and backward through ``model`` (an
     ``infinity.initialize``-d model): see [Note: model FLOPs]."""
-    trainable = frozen = 0
-    for u in engine_of(model).units:
-        for s in u.layout.slots:
-            if s.trainable:
-                trainable += s.numel
-            else:
-                frozen += s.numel
-    return 6 * trainable + 4 * frozen
+    return stats(model)["model_flops_per_token"]
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> Optional[float]:

@@ -176,11 +176,31 @@ def _train(runf: RunFile, resume_dir: Optional[str]) -> int:
                 first = int(extra.get("step", 0))
                 if "sampler" in extra:
                     sampler.load_state_dict(extra["sampler"])
+                if ranks.lead:
+                    _say_restored_hyper(runf, optimizer, resume_dir)
             return _loop(runf, model, optimizer, scheduler, sampler, loss_fn, first, ranks)
         finally:
             infinity.close(model)
     finally:
         ranks.close()
+
+
+def _say_restored_hyper(runf: RunFile, optimizer, resume_dir: str) -> None:
+    """On stderr: the run file's optimizer values that differ from the ones
+    the checkpoint restored. The restored ones win, as in torch and Hugging
+    Face (the schedule goes on from its saved base values), so a value
+    edited in the run file before ``--resume`` is not silently dropped."""
+    o, g = runf.optimizer, optimizer.param_groups[0]  # group 0: the decayed one (cli/model.py param_groups)
+    wanted = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    restored = {"lr": g.get("initial_lr", g["lr"]), "betas": tuple(g["betas"]), "eps": g["eps"],
+                "weight_decay": g["weight_decay"]}
+    diff = [f"optimizer.{k} = {wanted[k]} in the run file, {restored[k]} restored" for k in wanted
+            if wanted[k] != restored[k]]
+    if diff:
+        print(f"infinity train: --resume from {resume_dir}: " + "; ".join(diff) + ". The checkpoint's values "
+              "win, as in torch and Hugging Face (the schedule goes on from them); to train with the new ones, "
+              "start a new run from the checkpoint's weights (infinity consolidate, then model.weights)",
+              file=sys.stderr)
 
 
 def _one_step(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn):

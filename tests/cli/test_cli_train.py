@@ -211,3 +211,18 @@ def test_progress_shows_tiers_against_budgets_and_a_summary(tmp_path, capsys):
     assert "host " in err and "/64.00 MiB" in err and "nvme " in err
     rows = _metrics(tmp_path)
     assert f"infinity train: step 2, loss {rows[0]['loss']:.4f} -> {rows[1]['loss']:.4f}," in err
+
+
+def test_resume_says_which_run_file_values_the_checkpoint_overrides(tmp_path, capsys):
+    """issue 35: a learning rate edited in the run file before --resume is not silently dropped: the restored
+    value wins (as in torch and Hugging Face) and stderr says so, naming both values."""
+    p = run_file(tmp_path, steps=2, extra='[optimizer]\nlr = 3e-3\n[checkpoint]\ndir = "ckpt"')
+    assert cli("train", p) == 0
+    capsys.readouterr()
+    p.write_text(p.read_text().replace("steps = 2", "steps = 3").replace("lr = 3e-3", "lr = 1e-3"))
+    assert cli("train", p, "--resume") == 0
+    err = capsys.readouterr().err
+    assert "optimizer.lr = 0.001 in the run file, 0.003 restored" in err and "betas" not in err, err
+    p.write_text(p.read_text().replace("steps = 3", "steps = 4").replace("lr = 1e-3", "lr = 3e-3"))
+    assert cli("train", p, "--resume") == 0
+    assert "restored" not in capsys.readouterr().err  # the same values: nothing to say
