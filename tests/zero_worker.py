@@ -1,6 +1,7 @@
 """Worker of tests/engine/test_zero.py: trains through infinity with ZeRO on one rank
 of a gloo group and writes what the test compares (rank 0)."""
 
+import contextlib
 import os
 import sys
 
@@ -10,6 +11,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 import infinity  # noqa: E402
 from engine_utils import batches, small_gpt, unit_bytes  # noqa: E402
+
+
+def _emulated(on: bool):
+    """Engines built inside use tests/cuda_emulator.py's LazyMover when ``on``."""
+    if not on:
+        return contextlib.nullcontext()
+    from cuda_emulator import emulated_cuda_ordering
+    return emulated_cuda_ordering()
 
 
 def _init(rank: int, world: int, rdzv: str, **kw) -> None:
@@ -42,8 +51,9 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                                   offload_optimizer=case.get("opt", "host"),
                                   swap_paths=[os.path.join(out_dir, f"swap{ci}")],
                                   max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1))
-            model, opt = infinity.initialize(small_gpt(n_layer=case.get("layers", 8)), cfg, lr=1e-3,
-                                             weight_decay=0.1, process_group=group)
+            with _emulated(case.get("emulate", False)) as movers:  # the CUDA-ordering emulator (issue 36)
+                model, opt = infinity.initialize(small_gpt(n_layer=case.get("layers", 8)), cfg, lr=1e-3,
+                                                 weight_decay=0.1, process_group=group)
             accum, steps = case.get("accum", 1), case["steps"]
             data = batches(steps * accum, seed=0, b=2 * gworld)
             losses, norms = [], []
@@ -63,6 +73,7 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                 norms.append(opt.last_grad_norm)
             full = infinity.full_state_dict(model)  # collective: every rank of the group calls it
             s = infinity.stats(model)
+            s["emulated_copies"] = sum(st.ran for m in movers or [] for st in m.streams)
             if grank == 0:
                 torch.save({"losses": losses, "norms": norms, "state": full, "stats": s},
                            os.path.join(out_dir, f"case{ci}{suffix}.pt"))

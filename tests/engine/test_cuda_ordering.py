@@ -117,3 +117,32 @@ def test_a_removed_wait_is_caught(tmp_path, monkeypatch, hole):
         except Exception:  # noqa: BLE001 - a loud failure is caught too
             return
     assert got[0] != want[0] or any(not torch.equal(got[1][k], v) for k, v in want[1].items())
+
+
+def _zero_same_bytes(tmp_path, world, cases):
+    """ZeRO on ``world`` gloo ranks: each case trained with the default mover and under the emulator
+    (tests/zero_worker.py writes rank 0's losses and full state), bit for bit equal."""
+    import torch.multiprocessing as mp
+    import zero_worker
+    both = [dict(c, emulate=e) for c in cases for e in (False, True)]
+    mp.spawn(zero_worker.run, args=(world, str(tmp_path / "rdzv"), both, str(tmp_path)), nprocs=world, join=True)
+    for i, c in enumerate(cases):
+        want, got = (torch.load(tmp_path / f"case{2 * i + k}.pt") for k in (0, 1))
+        assert got["stats"]["emulated_copies"] > 0 and want["stats"]["emulated_copies"] == 0, c
+        assert got["losses"] == want["losses"], c
+        for k, v in want["state"].items():
+            assert torch.equal(got["state"][k], v), (c, k)
+
+
+ZERO_CASES = [{"stage": 1, "steps": 3, "layers": 2, "opt": "nvme", "overlap": "backward"},
+              {"stage": 2, "steps": 3, "layers": 2, "overlap": "backward", "accum": 2},
+              {"stage": 3, "steps": 3, "layers": 2, "params": "nvme", "opt": "nvme"}]
+
+
+def test_zero_on_two_ranks_same_bytes_under_emulated_cuda_ordering(tmp_path):
+    _zero_same_bytes(tmp_path, 2, ZERO_CASES)
+
+
+@pytest.mark.slow
+def test_zero_on_one_rank_same_bytes_under_emulated_cuda_ordering(tmp_path):
+    _zero_same_bytes(tmp_path, 1, ZERO_CASES + [{"stage": 3, "steps": 3, "layers": 2, "overlap": "backward"}])
