@@ -295,6 +295,32 @@ def test_gradient_straight_into_the_pinned_buffer_without_staging(cuda, monkeypa
     m.close()
 
 
+def test_staged_gradients_cross_through_the_fixed_pinned_ring(cuda, monkeypatch):
+    """[Note: the gradient staging ring]: gradients added or upcast on the host cross in block-sized pieces
+    through a ring allocated once (not a pinned block per gradient), every block given back, the sums exact."""
+    pinned = []
+    real_empty = torch.empty
+
+    def empty(*a, **kw):
+        if kw.get("pin_memory"):
+            pinned.append(a)
+            kw = dict(kw, pin_memory=False)
+        return real_empty(*a, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    m = mv.CudaMover(torch.device("cuda", 0))
+    m.staging = mv.StagingRing(blocks=2, block_bytes=64)  # 32 bf16 elements a block
+    dst = torch.zeros(100)
+    grads = [torch.randn(100, dtype=torch.bfloat16) for _ in range(3)]
+    for i, g in enumerate(grads):
+        m.grad_out(dst, g, accumulate=i > 0).wait()  # 4 pieces each through 2 blocks
+    want = grads[0].float() + grads[1].float() + grads[2].float()
+    assert torch.equal(dst, (grads[0].float() + grads[1].float()) + grads[2].float()) and torch.allclose(dst, want)
+    assert pinned == [(64,), (64,)] and m.staging.pinned_bytes == 128  # two blocks, made once
+    assert m.staging.free_blocks == 2  # every block given back
+    m.close()
+
+
 def test_large_upcast_split_over_threads_equals_one_pass(monkeypatch):
     monkeypatch.setattr(mv, "_CAST_CHUNK", 1000)
     src = torch.randn(10_000 + 17, dtype=torch.bfloat16)

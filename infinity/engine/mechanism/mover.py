@@ -55,7 +55,8 @@ Gradients cross one parameter at a time, as autograd finishes them. Where
 the host buffer has the gradient's dtype and nothing is accumulated (see
 [Note: gradients in the compute dtype] in placement.py), the copy goes straight
 from the device into the pinned host buffer on the copy stream: no staging,
-no host-side pass. Otherwise it lands in pinned staging and a host thread
+no host-side pass. Otherwise it lands in pinned staging (a fixed ring of
+blocks: [Note: the gradient staging ring] in grad_staging.py) and a host thread
 upcasts or adds it into the fp32 buffer, large gradients split into chunks
 over a few threads (``_cast_into``): a single thread upcasting a 7 B model's
 14 GB of bf16 gradients per step would take seconds.
@@ -76,6 +77,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
+
+from .grad_staging import AllDone, StagingRing, finish_piece
 
 __all__ = ["Ticket", "CpuMover", "CudaMover", "make_mover", "done_ticket", "on_host_job", "WORKER_THREADS"]
 
@@ -390,6 +393,7 @@ class CudaMover:
         self._chain = _executor("infinity-chain")
         self._last_release = None
         self.stall_clock = StallClock()  # See Residency.device_stall_seconds
+        self.staging = StagingRing()      # See [Note: the gradient staging ring] in grad_staging.py
 
     def chain(self, first: Callable[[], None], then: Callable[[], Ticket]) -> Ticket:
         """Runs ``first`` (a host-side wait, e.g. an NVMe read) then issues ``then``'s copy."""
@@ -442,16 +446,17 @@ class CudaMover:
         src = dev_grad.reshape(-1)
         if not accumulate and host_dst.dtype == src.dtype:
             return CudaTicket(self._issue_d2h(host_dst, src), self.device)  # straight into the pinned buffer
-        # Device -> pinned staging on the copy stream, then the upcast or the
-        # accumulation on host threads once the copy's event completes.
-        staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-        ev = self._issue_d2h(staging, src)
-
-        def finish() -> None:
-            ev.synchronize()
-            _cast_into(host_dst, staging, accumulate)
-
-        return CudaTicket(ev, self.device, self._grad.submit(finish))
+        # Device -> a pinned block of the ring on the copy stream, piece by
+        # piece, then the upcast or the accumulation on the grad thread once
+        # the piece's event completes ([Note: the gradient staging ring]).
+        futs, ev = [], None
+        for a, b in self.staging.pieces(src.numel(), src.element_size()):
+            i, raw = self.staging.take()
+            stage = raw[:(b - a) * src.element_size()].view(src.dtype)
+            ev = self._issue_d2h(stage, src[a:b])
+            futs.append(self._grad.submit(finish_piece, ev, host_dst[a:b], stage, accumulate, self.staging, i,
+                                          _cast_into))
+        return CudaTicket(ev, self.device, AllDone(futs))
 
     def host_job(self, fn: Callable[[], None]) -> Ticket:
         """Runs ``fn`` on the host worker thread (optimizer work; see :func:`on_host_job`)."""

@@ -8,7 +8,7 @@ follows from another where it does, so changing one changes both sides.
 """
 
 __all__ = ["DEVICE_ALIGN", "POOL_ALIGN", "MAX_QUEUED", "BUFFERS_PER_UPDATE", "PIPELINE_BUFFERS", "MAX_REDUCING",
-           "ZERO_REDUCING_UNITS", "STAGING_PER_PATH", "GRAD_BUCKET_BYTES", "RUNTIME_THREADS_CUDA", "optimizer_threads"]
+           "ZERO_REDUCING_UNITS", "STAGING_PER_PATH", "GRAD_BUCKET_BYTES", "GRAD_STAGING_BLOCKS", "GRAD_STAGING_BLOCK_BYTES", "RUNTIME_THREADS_CUDA", "optimizer_threads"]
 
 DEVICE_ALIGN = 512   # bytes; device arena ranges start here (tiers.DeviceTier), one per unit in the device need
 POOL_ALIGN = 4096    # bytes; host buffers start on pages (O_DIRECT, pinning)
@@ -34,6 +34,11 @@ STAGING_PER_PATH = 2  # NVMe staging buffers of swap_block_size per swap path (N
 # of the device's gradient reserve (placement.DeviceNeed.grad_reserve), so
 # one bucket fills while earlier ones cross to the host.
 GRAD_BUCKET_BYTES = 32 << 20
+
+# CUDA: gradients added or upcast on the host cross through this many pinned
+# blocks of this size (mechanism/grad_staging.py); the estimator counts them.
+GRAD_STAGING_BLOCKS = 4
+GRAD_STAGING_BLOCK_BYTES = 16 << 20
 
 # [Note: the optimizer's thread budget]
 # On CUDA the native AdamW runs while backward does: the main thread launches
