@@ -26,7 +26,12 @@ copies. Efficiency = bound / step time.
 check of the report's format (exit 1 when a row or a field is missing).
 --budget-s: stops starting rounds and phases that would not end in time.
 
+--largest: instead, the largest model the machine trains 2 steps of in the time
+and memory left, planned with the estimator (scripts/gpu/bench_largest.py; its
+options follow).
+
 Usage: python scripts/gpu/bench_gpu.py [--dry-run] [--json bench_gpu.json] [--profile trace.json.gz]
+       python scripts/gpu/bench_gpu.py --largest [--dry-run] [--swap-dir DIR] [--budget-s 150]
 """
 
 from __future__ import annotations
@@ -274,6 +279,10 @@ def probes_of(args) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--largest" in argv:  # the largest model the machine trains, planned by the estimator: bench_largest.py
+        from bench_largest import main as largest
+        return largest([a for a in argv if a != "--largest"])
     args = parse_args(argv)
     t_start = now()
     deadline = t_start + args.budget_s

@@ -102,3 +102,20 @@ def test_bench_gpu_dry_run(tmp_path):
     assert bf16["rows"]["fsdp2"]["transfer_source"] == "modelled"
     for name in bf16["rows"]:  # one table line a row
         assert re.search(rf"^{re.escape(name)}\s+3\s+\d", proc.stdout, re.M), name
+
+
+def test_bench_largest_dry_run_plans_below_its_cap_and_the_estimate_holds(tmp_path):
+    """bench_largest.py --dry-run (issue 36, item 4): the estimator's plan stops below the search cap (the time
+    plan binds), the planned model trains 2 steps, and its measured peaks are within the estimator's ±10%."""
+    out = tmp_path / "largest.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", INFINITY_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "bench_largest.py"), "--dry-run",
+                           "--swap-dir", str(tmp_path / "swap"), "--json", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    r = json.loads(out.read_text())
+    assert 1 < r["layers"] < 64 and r["planned_s"] <= 30.0
+    assert len(r["step_s"]) == 2 and r["parameters"] > 0
+    for tier in ("device", "host", "nvme"):
+        est, got = r["estimate"][tier], r["peak_bytes"][tier]
+        assert abs(est - got) <= 0.10 * got, (tier, est, got)
