@@ -4,7 +4,9 @@
 # repository root of the working tree the device tool carries; the package is
 # served from the tree (PYTHONPATH), the native library built here by CMake.
 #
-# Stages, cheapest and most telling first, each under its own cap (seconds):
+# Stages in the order issue 36 sets (what a short slot must bring back first:
+# the facts, a build, a smoke run, then the bench's figures; the ordering
+# checks after), each under its own cap (seconds):
 #   probe     20  machine facts (nvidia-smi, meminfo, CPUs, ulimit -l, disk, NCCL and
 #                 torchao versions), pinned pool close/re-open, pinned vs pageable GB/s
 #   build     50  the native library (CMake) into $BUILD_DIR, and its kernel self-test
@@ -12,15 +14,15 @@
 #                 bit-identical to scalar)
 #   smoke     70  tests/engine/test_engine_cuda.py, one pytest run on the device:
 #                 copy streams, events and lagged compute against plain torch
+#   bench    170  scripts/gpu/bench_gpu.py: torch, infinity (3 placements), torchao,
+#                 FSDP2 CPUOffloadPolicy, bf16 interleaved, then fp32 if time is left
 #   race      45  scripts/gpu/race.py: GPT and UnequalNet at the minimum budget, fp32 and
 #                 bf16, with and without a GPU lag, against plain torch
+#   sanitize  30  TORCH_CUDA_SANITIZER=1 race.py --sanitize (weak evidence: CSAN
+#                 matches exact data_ptr()s, so only each unit's first slot)
 #   nccl      35  race.py --dist nccl, a world of one: ZeRO 3 (its gathers run through
 #                 NCCL on the side stream), 2 and 1; then cpu:gloo,cuda:nccl with ZeRO 3.
 #                 One process: NCCL refuses two ranks on one GPU ("Duplicate GPU detected")
-#   bench    170  scripts/gpu/bench_gpu.py: torch, infinity (3 placements), torchao,
-#                 FSDP2 CPUOffloadPolicy, bf16 interleaved, then fp32 if time is left
-#   sanitize  30  TORCH_CUDA_SANITIZER=1 race.py --sanitize (weak evidence: CSAN
-#                 matches exact data_ptr()s, so only each unit's first slot)
 # The caps add up to the default --budget of 420 s: with the machine's start
 # (1-2 minutes) the run leaves room for a targeted rerun (--only) inside the
 # slot. --plan prints this plan and exits (1 when the caps exceed the budget).
@@ -50,8 +52,8 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-STAGES=(probe build smoke race nccl bench sanitize)
-CAPS=(20 50 70 45 35 170 30)
+STAGES=(probe build smoke bench race sanitize nccl)
+CAPS=(20 50 70 170 45 30 35)
 dry=0 pip_install=0 budget=420 only="" plan=0
 while [ $# -gt 0 ]; do
   case "$1" in

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu" / "check.sh"
-STAGES = ["probe", "build", "smoke", "race", "nccl", "bench", "sanitize"]
+STAGES = ["probe", "build", "smoke", "bench", "race", "sanitize", "nccl"]
 LINE = re.compile(r"^stage (\d) (\w+)\s+(PASS|FAIL|SKIP)\s+(\d+) s(.*)$", re.M)
 
 
