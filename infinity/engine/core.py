@@ -21,12 +21,13 @@ from .faults import FaultState, UsageError
 from .fence import Fence
 from .owners.grads import Gradients
 from .owners.host_cache import HostCache
+from .mechanism.grad_staging import StagingRing
 from .mechanism.mover import DeferredTicket, make_mover
 from .mechanism.nvme import NvmeTier
 from .owners.optstate import OptimizerState
 from .adapt.floor import check_memory_floor
 from .plan.limits import STAGING_PER_PATH
-from .plan.placement import host_need, modes_of, nvme_capacity, place_unit
+from .plan.placement import grad_staging, host_need, modes_of, nvme_capacity, place_unit
 from .adapt.pressure import PressureMonitor
 from .owners.residency import Residency
 from .owners.saved import SavedTensorRouter
@@ -103,6 +104,9 @@ class Engine:
                                  checksum=cfg.swap_checksum)
             weakref.finalize(self, self.nvme.close)
         self.room = HostRoom(host_tier)  # See [Note: the host room]
+        blocks, block = grad_staging([u.place for u in self.units], modes)
+        if blocks:  # the pinned ring in the host pool (its bytes are in need.minimum)
+            self.mover.staging = StagingRing(blocks, block, lambda n: host_tier.alloc(n, torch.uint8))
         self.host_cache = HostCache(self.units, modes, self.room, self.nvme, self.trace, self.stats)
         self.grads = Gradients(self.units, modes, dev_tier, self.room, self.nvme, self.mover, self.stats,
                                self.sharding, cfg.grad_accumulation_steps, cfg.overlap)

@@ -100,3 +100,28 @@ def test_host_need_zero_stages():
         assert need.permanent == 8192 + shard + (8192 if full_grads else 0) + 3 * shard
         if zero == 2:  # full gradients of up to two units reducing at once
             assert need.minimum == need.permanent + 8192 and need.capacity == need.permanent + 8192
+
+
+def test_the_cuda_gradient_staging_ring_is_in_the_host_need():
+    """[Note: the gradient staging ring]: on CUDA, where the host adds or upcasts gradients (accumulation,
+    or fp32 host gradients under bf16 compute), the ring's pinned blocks are in the host pool's minimum and
+    permanent bytes; a block holds at most the largest unit's gradients; none on the CPU device or where
+    gradients go straight into their buffer."""
+    import infinity
+    from engine_utils import small_gpt
+    from infinity.engine.plan.estimator import placed
+    from infinity.engine.plan.limits import GRAD_STAGING_BLOCKS
+    from infinity.engine.plan.placement import grad_staging, host_need, nbytes
+
+    def need(device, **kw):
+        cfg = infinity.Config(device=device, dtype="bf16", offload_params="host", offload_optimizer="host", **kw)
+        _, modes, places = placed(small_gpt(), cfg)
+        return grad_staging(places, modes), host_need(places, modes), modes, places
+
+    (blocks, block), with_ring, modes, places = need("cuda", grad_accumulation_steps=2)
+    largest = max(nbytes(p.trainable_numel, modes.dtype) for p in places if p.trainable)
+    assert blocks == GRAD_STAGING_BLOCKS and largest <= block < largest + 4096
+    (cpu_blocks, _), without, _, _ = need("cpu", grad_accumulation_steps=2)
+    assert cpu_blocks == 0
+    assert with_ring.minimum - without.minimum == with_ring.permanent - without.permanent == blocks * block
+    assert need("cuda")[0] == (0, 0)  # bf16 gradients straight into bf16 host buffers: nothing staged

@@ -8,13 +8,17 @@ data parallelism) or upcasts cannot go straight into its destination: it
 lands in pinned staging first. torch's caching host allocator would give
 each gradient a pinned block of its size rounded up to a power of two,
 kept for the life of the process and outside ``host_memory`` (cuda-review
-P2). Instead the mover owns ``GRAD_STAGING_BLOCKS`` pinned blocks of
-``GRAD_STAGING_BLOCK_BYTES`` each, allocated once on first use: a gradient
-crosses in block-sized pieces, each piece's block given back by the host
-thread once its add or upcast is done. A gradient larger than the ring
-simply waits for blocks (the autograd thread stalls only while every block
-is in flight), so the pinned staging stays bounded whatever the model.
-The estimator counts the ring in the process RSS on CUDA.
+P2). Instead the mover owns a ring of ``GRAD_STAGING_BLOCKS`` pinned
+blocks, each at most ``GRAD_STAGING_BLOCK_BYTES`` and at most the largest
+unit's gradients (placement.grad_staging), carved from the host pool once
+(so inside ``host_memory``, in the placement's minimum and the estimator's
+host need): a gradient crosses in block-sized pieces, each piece's block
+given back by the host thread once its add or upcast is done. A gradient
+larger than the ring waits for blocks (the autograd thread stalls only
+while every block is in flight), so the pinned staging stays bounded
+whatever the model. Where the placement foresaw no staging (a backward
+after ``step()`` without ``zero_grad()`` adds on the host once), the ring
+is allocated pinned outside the pool on first use.
 """
 
 from __future__ import annotations

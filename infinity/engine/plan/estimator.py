@@ -43,7 +43,7 @@ from ...system import sysinfo
 from ...config.runtime import Config
 from .placement import Modes, device_need, host_need, modes_of, nbytes, nvme_capacity, place_unit
 from .units import build_units
-from .limits import GRAD_STAGING_BLOCK_BYTES, GRAD_STAGING_BLOCKS, STAGING_PER_PATH
+from .limits import STAGING_PER_PATH
 from .activations import activation_bytes
 
 __all__ = ["estimate_peaks", "activation_bytes", "placed", "compute_device", "RUNTIME_BYTES"]
@@ -142,8 +142,6 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
     staging = STAGING_PER_PATH * config.swap_block_size * len(config.swap_paths) if modes.nvme_used else 0
     model_fp32 = 0 if lazy else sum(4 * p.numel() for p in model.parameters())
     base = baseline_rss if baseline_rss is not None else sysinfo.rss_bytes()
-    # CUDA: gradients added or upcast on the host cross a fixed pinned ring ([Note: the gradient staging ring]).
-    staging += 0 if on_cpu or not modes.host_optimizer else GRAD_STAGING_BLOCKS * GRAD_STAGING_BLOCK_BYTES
     training = host["peak"] + staging + RUNTIME_BYTES + ((dev["peak"] + act_peak) if on_cpu else 0)
     at_init = model_fp32 + host["peak"]
     rss = {"baseline": base, "model_fp32_at_initialize": model_fp32, "host_pool": host["peak"],

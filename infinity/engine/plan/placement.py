@@ -31,13 +31,14 @@ All host buffers are rounded up to ``POOL_ALIGN``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .limits import DEVICE_ALIGN, PIPELINE_BUFFERS, POOL_ALIGN, ZERO_REDUCING_UNITS  # [Note: limits that must agree]
+from .limits import (DEVICE_ALIGN, GRAD_STAGING_BLOCK_BYTES, GRAD_STAGING_BLOCKS, PIPELINE_BUFFERS,  # [Note: limits
+                     POOL_ALIGN, ZERO_REDUCING_UNITS)  # that must agree]
 
-__all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need",
+__all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need", "grad_staging",
            "nvme_capacity", "modes_of", "speculation_needed", "speculation_unsupported", "undo_bytes", "spillable",
            "nbytes", "round_pool", "POOL_ALIGN", "DEVICE_ALIGN", "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
@@ -260,10 +261,27 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
     if modes.zero >= 2 and modes.accum_steps == 1:
         zero_transient = min(zero_transient, ZERO_TRANSIENT_UNITS * largest_t)
     minimum += min(zero_transient, ZERO_REDUCING_UNITS * largest_t)
+    blocks, block = grad_staging(places, modes)
+    perm += blocks * block
+    minimum += blocks * block
     undo = sum(undo_bytes(p, modes) for p in places if p.trainable) if modes.speculate else 0
     capacity = perm + (cache_all + pipeline if modes.nvme_used else 0) + zero_transient + undo
     spill = sum(round_pool(nbytes(p.home_numel, modes.dtype)) for p in places) if spillable(modes) else 0
     return HostNeed(perm, minimum, capacity, nvme, spill, undo)
+
+
+def grad_staging(places: List[UnitPlacement], modes: Modes) -> Tuple[int, int]:
+    """(blocks, bytes a block) of the pinned ring gradients cross when the
+    host adds or upcasts them (CUDA: accumulation, or host gradients in
+    another dtype than compute's); (0, 0) where none crosses that way. A
+    block holds at most the largest unit's gradients, so a small model's
+    ring is small. See [Note: the gradient staging ring] in grad_staging.py."""
+    staged = modes.device.type == "cuda" and modes.host_optimizer and (
+        modes.accum_steps > 1 or modes.grad_dtype != modes.dtype)
+    largest = max((nbytes(p.trainable_numel, modes.dtype) for p in places if p.trainable), default=0)
+    if not staged or largest == 0:
+        return 0, 0
+    return GRAD_STAGING_BLOCKS, round_pool(min(GRAD_STAGING_BLOCK_BYTES, largest))
 
 
 def undo_bytes(p: UnitPlacement, modes: Modes) -> int:
