@@ -140,11 +140,9 @@ def device_now(ctx: Ctx) -> int:
     return torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
 
 
-def torch_row(ctx: Ctx) -> Row:
-    """Plain PyTorch in device memory, fused AdamW."""
-    model = copy.deepcopy(ctx.template).to(ctx.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
-
+def _plain_step(ctx: Ctx, model, opt):
+    """One timed step of a model whose optimizer is a plain torch one: wall,
+    compute (forward + backward) and optimizer seconds."""
     def step(x, y):
         t0 = now()
         with ctx.autocast():
@@ -156,6 +154,15 @@ def torch_row(ctx: Ctx) -> Row:
         opt.zero_grad()
         ctx.sync()
         return {"wall": now() - t0, "compute": t1 - t0, "opt": now() - t1}
+    return step
+
+
+def torch_row(ctx: Ctx) -> Row:
+    """Plain PyTorch in device memory, fused AdamW."""
+    model = copy.deepcopy(ctx.template).to(ctx.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+
+    step = _plain_step(ctx, model, opt)
 
     return Row("torch", step, close=lambda: None)
 
@@ -217,17 +224,7 @@ def torchao_row(ctx: Ctx) -> Row:
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, lr=LR,
                               weight_decay=WD, fused=True)
 
-    def step(x, y):
-        t0 = now()
-        with ctx.autocast():
-            loss = model(x, y)
-        loss.backward()
-        ctx.sync()
-        t1 = now()
-        opt.step()
-        opt.zero_grad()
-        ctx.sync()
-        return {"wall": now() - t0, "compute": t1 - t0, "opt": now() - t1}
+    step = _plain_step(ctx, model, opt)
 
     return Row("torchao", step, close=lambda: None, host_bytes=16 * n,
                transfer_modelled={"h2d": 4 * n, "d2h": 4 * n})

@@ -267,19 +267,26 @@ def test_stage3_gather_waits_for_the_copy_on_a_side_stream(cuda, monkeypatch):
     assert kind == "record" and ev.blocking and ev.synced and t.done()
 
 
-def test_gradient_straight_into_the_pinned_buffer_without_staging(cuda, monkeypatch):
-    """Same dtype and nothing to add: one copy on the d2h stream, no pinned
-    staging and no host job; otherwise staging and an upcast on a host thread."""
-    staged = []
+def _pinned_allocations(monkeypatch) -> list:
+    """The shapes of every ``torch.empty(..., pin_memory=True)`` from now on
+    (allocated unpinned: there is no CUDA here)."""
+    pinned = []
     real_empty = torch.empty
 
     def empty(*a, **kw):
         if kw.get("pin_memory"):
-            staged.append(a)
+            pinned.append(a)
             kw = dict(kw, pin_memory=False)
         return real_empty(*a, **kw)
 
     monkeypatch.setattr(torch, "empty", empty)
+    return pinned
+
+
+def test_gradient_straight_into_the_pinned_buffer_without_staging(cuda, monkeypatch):
+    """Same dtype and nothing to add: one copy on the d2h stream, no pinned
+    staging and no host job; otherwise staging and an upcast on a host thread."""
+    staged = _pinned_allocations(monkeypatch)
     m = mv.CudaMover(torch.device("cuda", 1))
     g = torch.randn(6, 4, dtype=torch.bfloat16)
     dst = torch.zeros(24, dtype=torch.bfloat16)
@@ -298,16 +305,7 @@ def test_gradient_straight_into_the_pinned_buffer_without_staging(cuda, monkeypa
 def test_staged_gradients_cross_through_the_fixed_pinned_ring(cuda, monkeypatch):
     """[Note: the gradient staging ring]: gradients added or upcast on the host cross in block-sized pieces
     through a ring allocated once (not a pinned block per gradient), every block given back, the sums exact."""
-    pinned = []
-    real_empty = torch.empty
-
-    def empty(*a, **kw):
-        if kw.get("pin_memory"):
-            pinned.append(a)
-            kw = dict(kw, pin_memory=False)
-        return real_empty(*a, **kw)
-
-    monkeypatch.setattr(torch, "empty", empty)
+    pinned = _pinned_allocations(monkeypatch)
     m = mv.CudaMover(torch.device("cuda", 0))
     m.staging = mv.StagingRing(blocks=2, block_bytes=64)  # 32 bf16 elements a block
     dst = torch.zeros(100)
