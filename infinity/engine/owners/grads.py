@@ -34,6 +34,7 @@ from typing import List, Optional
 import torch
 
 from ..faults import UsageError
+from . import grad_errors
 from ..mechanism.nvme import key as swap_key
 from ..plan.state import GradHome, GradState, transition
 from ..plan.units import Layout
@@ -122,14 +123,12 @@ class Gradients:
         self.stale = False
 
     def stale_error(self) -> UsageError:
-        """``step()`` after a backward that followed the last ``step()`` with
-        no ``zero_grad()`` between (see [Note: a backward after step() without zero_grad()])."""
-        return UsageError(
-            "optimizer.step() after a backward() that followed the last step() without optimizer.zero_grad() "
-            "(or model.zero_grad()) in between: torch would add that backward's gradients to the last step's "
-            "and apply both, but infinity freed the last step's at step(). Nothing was changed. Call "
-            "optimizer.zero_grad() after each step(); to accumulate over micro-batches, call step() once every "
-            "Config.grad_accumulation_steps backward() calls")
+        """See grad_errors.stale_backward."""
+        return grad_errors.stale_backward()
+
+    def forward_error(self) -> UsageError:
+        """See grad_errors.forward_in_window."""
+        return grad_errors.forward_in_window(self.accum_steps)
 
     # -- off the device ---------------------------------------------------------------
 
@@ -148,7 +147,7 @@ class Gradients:
         if g is None:
             return False
         if self.window_closed:
-            raise self._window_error()
+            raise grad_errors.backward_after_window(self.micro_batches, self.accum_steps, self.overlap)
         if self.need_zero_grad:
             self.stale = True  # See [Note: a backward after step() without zero_grad()]
         p.grad = None
@@ -210,26 +209,6 @@ class Gradients:
             for b in u.grads.buckets:
                 if b.stage is not None:
                     self._flush(u, b)
-
-    def _window_error(self) -> UsageError:
-        n = self.accum_steps
-        return UsageError(
-            f"backward() number {self.micro_batches + 1} before optimizer.step(), with "
-            f"Config.grad_accumulation_steps={n}: the last backward of the accumulation window already "
-            + ("ran the updates (overlap='backward')" if self.overlap == "backward"
-               else "reduced the gradients over the ranks")
-            + f", so the gradients of this one would be dropped. Call optimizer.step() after every {n} "
-            "backward() calls, or set grad_accumulation_steps to the number of backward() calls per step "
-            "(see [Note: the accumulation window] in infinity/engine/step/schedule.py)")
-
-    def forward_error(self) -> UsageError:
-        """A forward between the backward that started the updates (overlap="backward") and ``step()``."""
-        n = self.accum_steps
-        return UsageError(
-            f"forward before optimizer.step(), with overlap='backward' and Config.grad_accumulation_steps={n}: "
-            "the last backward of the accumulation window already started the updates, so the parameters are "
-            "neither the old values nor the new ones (a forward would use a mix). Call optimizer.step() after "
-            f"every {n} backward() call(s), or use overlap='step'")
 
     def _bound_transient(self, incoming: int) -> None:
         """Backpressure: waits for the oldest copies until ``incoming`` more

@@ -121,7 +121,7 @@ class Updater:
     def carry_unwritten(self, u, written: Sequence[bool], src: torch.Tensor, dst: torch.Tensor) -> None:
         """Delayed mode: copies the trainable slots the update did not write
         from the live compute buffer ``src`` into ``dst`` (the one about to
-        become live; see [Note: the delayed pair] in schedule.py)."""
+        become live; see [Note: the delayed pair] in delayed.py)."""
         if all(written):
             return
         for a, b in written_runs(u, [not w for w in written]):
