@@ -275,11 +275,18 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     }
 
 
+_FLOPS_PER_TOKEN: "weakref.WeakKeyDictionary[Engine, int]" = weakref.WeakKeyDictionary()
+
+
 def _flops_per_token(eng: Engine) -> int:
-    """See [Note: model FLOPs] in progress.py: 6 a trainable parameter, 4 a frozen one."""
-    trainable = sum(s.numel for u in eng.units for s in u.layout.slots if s.trainable)
-    frozen = sum(s.numel for u in eng.units for s in u.layout.slots if not s.trainable)
-    return 6 * trainable + 4 * frozen
+    """See [Note: model FLOPs] in progress.py: 6 a trainable parameter, 4 a
+    frozen one; counted once per engine (which parameters train is fixed at
+    ``initialize``), since stats() is read every step."""
+    n = _FLOPS_PER_TOKEN.get(eng)
+    if n is None:
+        slots = [s for u in eng.units for s in u.layout.slots]
+        n = _FLOPS_PER_TOKEN[eng] = sum((6 if s.trainable else 4) * s.numel for s in slots)
+    return n
 
 
 @torch.no_grad()
