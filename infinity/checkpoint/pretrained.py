@@ -12,18 +12,31 @@ memory-mapped (``safetensors.safe_open``) and only read, never written.
 Every check (missing, unexpected and mis-shaped keys) runs on the files'
 headers before any value is written, so a load that fails leaves the model
 as it was.
+
+[Note: pretrained weights are a folder the user named]
+Unlike a checkpoint (see [Note: a checkpoint is input from someone else] in
+safe_files.py), the folder given to ``load_pretrained`` is one the user
+chose, and the Hugging Face cache builds it from symbolic links into a
+sibling ``blobs/`` folder, so links are followed. What the folder's files
+name is still a claim to check: an index's shard must be a relative name
+with no ``..`` component, every shard must be a regular file once links are
+resolved (a FIFO or device is refused at once, never opened, so a load
+cannot block in open(2)), and the index is bounded in size and nesting and
+its parse errors name the file, never its bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.nn as nn
+
+from .safe_files import MAX_MANIFEST_BYTES, CorruptCheckpointError, parse_json
 
 __all__ = ["load_pretrained", "LoadResult", "INDEX_NAME"]
 
@@ -46,12 +59,41 @@ def _safe_open(path: str):
         from safetensors import safe_open
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise ImportError("infinity.load_pretrained needs the 'safetensors' package (pip install safetensors)") from e
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"load_pretrained: safetensors file {path!r} does not exist")
+    _regular(path, "safetensors file")
     try:
         return safe_open(path, framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for bad headers
         raise ValueError(f"load_pretrained: cannot read safetensors file {path!r}: {e}") from e
+
+
+def _regular(path: str, what: str) -> int:
+    """The size in bytes of ``path`` once links are resolved; an error naming
+    ``what`` and ``path`` unless it is a regular file (see [Note: pretrained
+    weights are a folder the user named])."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"load_pretrained: {what} {path!r} does not exist") from None
+    except OSError as e:
+        raise OSError(e.errno, f"load_pretrained: cannot read {what} {path!r}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"load_pretrained: {what} {path!r} is not a regular file (mode {st.st_mode:06o}: a FIFO, "
+                         "device or folder); weights are read from regular .safetensors files only")
+    return st.st_size
+
+
+def _read_index(index: str):
+    size = _regular(index, "index")
+    if size > MAX_MANIFEST_BYTES:
+        raise ValueError(f"load_pretrained: index {index!r} is {size} bytes, over the {MAX_MANIFEST_BYTES} an index "
+                         "may have")
+    try:
+        with open(index, "rb") as f:
+            return parse_json(index, f.read(MAX_MANIFEST_BYTES + 1))
+    except CorruptCheckpointError as e:
+        raise ValueError(f"load_pretrained: cannot parse the index: {e}") from None
+    except OSError as e:
+        raise OSError(e.errno, f"load_pretrained: cannot read the index {index!r}: {e.strerror}") from None
 
 
 def _key_files(path: str) -> Dict[str, str]:
@@ -61,30 +103,25 @@ def _key_files(path: str) -> Dict[str, str]:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_pretrained: {path!r} is neither a safetensors file nor a directory")
     index = os.path.join(path, INDEX_NAME)
-    if os.path.isfile(index):
+    if os.path.lexists(index):  # a FIFO or link to nothing here is refused, not skipped
         return _indexed_key_files(path, index)
     return _shard_key_files(path)
 
 
 def _indexed_key_files(path: str, index: str) -> Dict[str, str]:
     """key -> shard, from a Hugging Face index; every shard it names must exist inside ``path``."""
-    try:
-        with open(index) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"load_pretrained: cannot parse the index {index!r}: {e}") from e
+    data = _read_index(index)
     wm = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise ValueError(f"load_pretrained: index {index!r} has no 'weight_map' of key -> shard file name")
     out = {}
     for k, shard in wm.items():
-        if os.path.isabs(shard) or os.path.normpath(shard).startswith(".."):
+        if not shard or "\0" in shard or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
             raise ValueError(f"load_pretrained: index {index!r} names shard {shard!r} for key {k!r}, outside "
                              "its directory")
         out[k] = os.path.join(path, shard)
     for shard in sorted(set(out.values())):
-        if not os.path.isfile(shard):
-            raise FileNotFoundError(f"load_pretrained: shard {shard!r} named in {index!r} does not exist")
+        _regular(shard, f"shard named in {index!r},")
     return out
 
 

@@ -188,3 +188,41 @@ def test_unmanaged_model_is_refused(tmp_path):
     safetensors_torch.save_file({"x": torch.zeros(1)}, f)
     with pytest.raises(ValueError, match="initialize"):
         infinity.load_pretrained(make_gpt(), f)
+
+
+def test_hf_cache_links_load_and_untrusted_names_are_refused(tmp_path):
+    """[Note: pretrained weights are a folder the user named]: the Hugging
+    Face cache's links into blobs/ load; an index naming a shard outside the
+    folder, a FIFO shard, or an index nested too deep is refused at once with
+    the file named, and the model keeps its weights."""
+    tensors = pretrained_tensors(make_gpt())
+    src = write_sharded(tmp_path, tensors)
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for n in os.listdir(src):  # the cache's layout: snapshot entries are links to content-named blobs
+        os.rename(os.path.join(src, n), blobs / f"blob-{n}")
+        os.symlink(os.path.join("..", "..", "blobs", f"blob-{n}"), snap / n)
+    model, _ = managed(make_gpt(seed=1))
+    infinity.load_pretrained(model, str(snap))
+    want = infinity.full_state_dict(model)
+    assert all(torch.equal(want[k], v) for k, v in tensors.items())
+
+    index = snap / "model.safetensors.index.json"
+    wm = json.loads(index.read_text())["weight_map"]
+    os.remove(index)
+    for bad in ("../../blobs/x.safetensors", "/etc/passwd", "a/../../x"):
+        index.write_text(json.dumps({"weight_map": {**wm, next(iter(wm)): bad}}))
+        with pytest.raises(ValueError, match="outside its directory"):
+            infinity.load_pretrained(model, str(snap))
+    index.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="index.json.*nested too deep"):
+        infinity.load_pretrained(model, str(snap))
+    index.write_text(json.dumps({"weight_map": wm}))
+    shard = snap / sorted(set(wm.values()))[0]
+    os.remove(shard)
+    os.mkfifo(shard)  # open(2) on it would block until a writer came
+    with pytest.raises(ValueError, match="not a regular file"):
+        infinity.load_pretrained(model, str(snap))
+    got = infinity.full_state_dict(model)
+    assert all(torch.equal(got[k], want[k]) for k in want)
