@@ -17,11 +17,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# The six GPT runs, then the Hugging Face Llama with SDPA at sequence 2048 apart (each under its own timeout).
-GROUPS = [("0,1,2,3,4,5", 6), ("6", 1)]
+# Each group under its own timeout. CI runs one host, one NVMe with checkpointing and one ZeRO-3 NVMe row of
+# the six GPT runs, and the Hugging Face Llama with SDPA at sequence 2048; the other three GPT rows are slow
+# (the benchmark runs all of them).
+GROUPS = [pytest.param("0,3,5", 3, id="gpt"), pytest.param("1,2,4", 3, id="gpt-rest", marks=pytest.mark.slow),
+          pytest.param("6", 1, id="llama-sdpa-2048")]
 
 
-@pytest.mark.parametrize("only,count", GROUPS, ids=["gpt", "llama-sdpa-2048"])
+@pytest.mark.parametrize("only,count", GROUPS)
 def test_estimate_is_within_ten_percent_of_every_measured_peak(tmp_path, only, count):
     if only == "6":
         pytest.importorskip("transformers")
