@@ -54,8 +54,9 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
         config: :class:`infinity.Config` (default: ``Config()``).
         process_group: the torch.distributed group the model is data-parallel
             over (ZeRO shards, gradient reduction); default the whole world.
-            Every rank of the group calls ``initialize`` with the same model
-            and config.
+            A one-dimensional ``DeviceMesh`` is taken too: the data-parallel
+            dimension of a larger mesh, e.g. ``mesh["dp"]``. Every rank of the
+            group calls ``initialize`` with the same model and config.
         param_groups: optional torch-style groups (dicts with ``"params"``, a
             list of the model's parameters, plus any of lr, betas, eps,
             weight_decay, adamw_mode); as with torch, parameters no group
@@ -77,7 +78,7 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     _freeze_left_out(model, group_of)
 
-    engine = Engine(model, config, group_of, process_group)
+    engine = Engine(model, config, group_of, _data_parallel_group(process_group))
     # Only non-empty groups: torch's Optimizer refuses empty ones.
     groups = [g for g in groups if g["params"]] or [dict(defaults, params=[])]
     remap = {}
@@ -99,6 +100,29 @@ def initialize(model: nn.Module, config: Optional[Config] = None, *, param_group
     install_sigterm_handler()  # [Note: SIGTERM]: the atexit close above then runs
     install_torch_guards(lambda: list(_ENGINES.values()))  # [Note: gradients torch cannot see]
     return model, optimizer
+
+
+def _data_parallel_group(pg: Any):
+    """``initialize``'s process_group as a ProcessGroup (or None): a 1-D
+    DeviceMesh gives its group; anything else is refused by name."""
+    if pg is None:
+        return None
+    import torch.distributed as dist
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without device_mesh
+        DeviceMesh = ()
+    if DeviceMesh and isinstance(pg, DeviceMesh):
+        if pg.ndim != 1:
+            names = pg.mesh_dim_names or tuple(range(pg.ndim))
+            raise ValueError(f"initialize: process_group is a {pg.ndim}-dimensional DeviceMesh (dimensions {names}); "
+                             "infinity shards over one data-parallel dimension: pass that dimension, e.g. "
+                             "process_group=mesh['dp']")
+        return pg.get_group()
+    if not isinstance(pg, dist.ProcessGroup):
+        raise TypeError(f"initialize: process_group must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, "
+                        f"got {type(pg).__name__}")
+    return pg
 
 
 def _check_args(model: nn.Module, config: Config, optimizer_kwargs: Dict[str, Any]) -> None:
