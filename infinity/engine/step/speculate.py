@@ -54,7 +54,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -65,16 +65,31 @@ __all__ = ["Speculation", "MAX_BACKOFF"]
 MAX_BACKOFF = 8  # steps waited at most after replays in a row
 
 
+Runs = List[Tuple[int, int]]
+
+
 @dataclass
 class _Undo:
-    """One unit's undo state: views into one pool buffer ``buf``."""
+    """One unit's undo state: views into one pool buffer ``buf``, at the
+    indices of the buffers they save (state: the master's; compute: the
+    kernel's copy-out's)."""
 
     buf: object
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     compute: torch.Tensor
-    steps: Optional[List[int]] = None  # the slots' step counts, once saved
+    steps: Optional[List[int]] = None  # the slots' step counts, once the update began
+    # (state ranges, compute ranges or None) the kernel calls saved; None: the whole buffers, saved ahead.
+    runs: Optional[List[Tuple[Runs, Optional[Runs]]]] = None
+
+    def take(self, state: Runs, compute: Optional[Runs]) -> tuple:
+        """The save buffers of one kernel call over the master's ranges
+        ``state`` and the copy-out's ``compute`` (None: no copy-out), as
+        ``adamw_step_(saves=)`` takes them; recorded for the rollback."""
+        self.runs.append((state, compute))
+        return tuple([t[a:b] for a, b in state] for t in (self.master, self.exp_avg, self.exp_avg_sq)) + (
+            [self.compute[a:b] for a, b in compute] if compute is not None else None,)
 
 
 class Speculation:
@@ -122,16 +137,25 @@ class Speculation:
         return True
 
     def save(self, u) -> None:
-        """Copies ``u``'s state into its undo buffer (host thread, before its
-        update; once, if saved ahead)."""
+        """Copies ``u``'s whole state into its undo buffer ahead of its
+        update (host thread, while backward runs)."""
         d, o = self._undo[u.index], u.opt
-        if d.steps is not None:
-            return
         d.master.copy_(o.master)
         d.exp_avg.copy_(o.exp_avg)
         d.exp_avg_sq.copy_(o.exp_avg_sq)
         d.compute.copy_(self.p.host_cache.home(u)[:d.compute.numel()])
         d.steps = [s.step for s in u.layout.trainable_slots]
+
+    def begin(self, u) -> Optional[_Undo]:
+        """``u``'s update starts (host thread): its step counts are kept;
+        returns the undo state its kernel calls save into in their own pass
+        (``Updater.run(undo=)``), or None where :meth:`save` saved it ahead."""
+        d = self._undo[u.index]
+        if d.steps is not None:
+            return None
+        d.runs = []
+        d.steps = [s.step for s in u.layout.trainable_slots]
+        return d
 
     def _warn_room(self, u) -> None:
         if self._warned_room:
@@ -193,18 +217,7 @@ class Speculation:
             if d.steps is None:
                 continue  # its update never started (a fault before it)
             p.fence.wait_unit(u)
-            o = u.opt
-            o.master.copy_(d.master)
-            o.exp_avg.copy_(d.exp_avg)
-            o.exp_avg_sq.copy_(d.exp_avg_sq)
-            if compute:
-                comp = p.host_cache.open_for_update(u)
-                try:
-                    comp[:d.compute.numel()].copy_(d.compute)
-                finally:
-                    p.host_cache.close_update(u)
-            for s, n in zip(u.layout.trainable_slots, d.steps):
-                s.step = n
+            _restore(u, d, p.host_cache, compute)
             p.values_changed(u)
         self._release()
         p.residency.invalidate()  # no device copy keeps a speculated value
@@ -215,3 +228,27 @@ class Speculation:
             with self.p.room.lock:
                 for d in undo.values():
                     self.p.room.release(d.buf)
+
+
+def _restore(u, d: _Undo, host_cache, compute: bool) -> None:
+    """``u``'s master, moments and step counts (and ``compute``: its
+    compute copy) as ``d`` saved them: the ranges its kernel calls wrote,
+    or the whole buffers where saved ahead."""
+    o = u.opt
+    whole = [(0, d.master.numel())]
+    runs = d.runs if d.runs is not None else [(whole, [(0, d.compute.numel())])]
+    for state, _ in runs:
+        for a, b in state:
+            o.master[a:b].copy_(d.master[a:b])
+            o.exp_avg[a:b].copy_(d.exp_avg[a:b])
+            o.exp_avg_sq[a:b].copy_(d.exp_avg_sq[a:b])
+    if compute and any(c for _, c in runs):
+        comp = host_cache.open_for_update(u)
+        try:
+            for _, c in runs:
+                for a, b in c or ():
+                    comp[a:b].copy_(d.compute[a:b])
+        finally:
+            host_cache.close_update(u)
+    for s, n in zip(u.layout.trainable_slots, d.steps):
+        s.step = n
