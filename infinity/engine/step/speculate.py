@@ -8,16 +8,19 @@ unit's update runs during backward as if the step's gradient scale were the
 one without clipping (``Scaling.base_scale``: 1 / world, times 1 / loss
 scale with fp16) and no gradient overflowed:
 
-- *Undo state.* Before the update the host thread copies the bytes the
-  update may change into one host-pool buffer of the unit (``undo_bytes`` in
+- *Undo state.* The update's own kernel calls save the bytes they
+  overwrite into one host-pool buffer of the unit (``undo_bytes`` in
   plan/placement.py, in the host budget's capacity): the fp32 master, both
-  moments, the trainable part of the host compute copy, and the slots' step
-  counts. The buffer is taken on the autograd thread as the update is
+  moments and the compute copy, for the ranges each call writes
+  (``adamw_step_(saves=)``: [Note: the undo state saved in the step's pass]
+  in native/src/adam.cpp), and the slots' step counts as the update
+  begins. The buffer is taken on the autograd thread as the update is
   queued (the root's with the first one: its update ends backward, on the
-  step's critical path, so its state is saved while backward runs), only if
-  the pool has room then (``HostRoom.try_acquire``: nothing
-  is evicted for it); a unit that finds none waits for ``step()`` like
-  before, and the run says so once (a warning, and ``stats()``).
+  step's critical path, so its whole state is copied ahead while backward
+  runs, and its update saves nothing more), only if the pool has room then
+  (``HostRoom.try_acquire``: nothing is evicted for it); a unit that finds
+  none waits for ``step()`` like before, and the run says so once (a
+  warning, and ``stats()``).
 - *Validation.* ``step()`` takes the norm over every unit's gradients, in
   program order, exactly as overlap="step" does (the gradients stay in their
   buffers until then), and so the same clip coefficient and overflow flag.
@@ -42,11 +45,13 @@ scale with fp16) and no gradient overflowed:
 The hyper-parameters are those of the step's first early update ([Note:
 hyper-parameters of early updates] in schedule.py), for the replay too.
 
-Cost: the save reads and writes 16 bytes a parameter (fp32 compute copy;
-14 in bf16) on the host thread before each update, about twice the AdamW
-kernel's own time on the 2-core development machine (torch's ``copy_``):
-hidden where the host thread has that room behind backward. A replay's
-rollback copies 12 bytes a parameter back, on the step's critical path.
+Cost: saved in the kernel's pass, the undo state adds the writes of 16
+bytes a parameter (fp32 compute copy; 14 in bf16) to the update, streamed:
+on the 2-core development machine that adds about 1.2-1.3 times the
+kernel's own time, against 2-3 times for copying them beforehand with
+torch ``copy_`` (docs/native.md).
+A replay's rollback copies the saved ranges back (12 bytes a parameter, the
+compute copy too for a skipped step), on the step's critical path.
 """
 
 from __future__ import annotations
