@@ -17,6 +17,11 @@ Trainer's loop are the ones infinity needs:
   without clipping (``max_grad_norm=0``) the engine measures no norm, so for
   the steps the Trainer will log it measures one with a bound that never
   clips (see ``_measure_norm``);
+- with clipping (the Trainer's default ``max_grad_norm=1.0``) or fp16,
+  ``overlap="backward"`` keeps the updates behind backward by speculating
+  ([Note: speculative updates] in engine/step/speculate.py), and each
+  training log gets ``replay_rate``: the share of the steps speculated since
+  the last log that were rolled back and redone (clipped or skipped);
 - checkpoints keep the Trainer's folder layout; the optimizer, scheduler and
   fp32 master state go through ``infinity.save_checkpoint`` into
   ``checkpoint-N/infinity/`` (streamed unit by unit, crash-safe), and
@@ -42,7 +47,7 @@ from transformers import Trainer
 from transformers.trainer_utils import IntervalStrategy
 from transformers.trainer_pt_utils import get_parameter_names
 
-from ..api import engine_of, initialize
+from ..api import engine_of, initialize, stats
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config.runtime import Config
 from ..engine.faults import UsageError
@@ -104,6 +109,22 @@ class InfinityTrainer(Trainer):
         norm = self.infinity_optimizer.last_grad_norm
         self._measure_norm(False)
         return super()._maybe_log_save_evaluate(tr_loss, norm, *args, **kwargs)
+
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs:  # a training log: see the module doc
+            logs = dict(logs, **self._speculation_logs())
+        return super().log(logs, *args, **kwargs)
+
+    def _speculation_logs(self) -> dict:
+        """``{"replay_rate": r}``: of the steps speculated since the last call,
+        the share rolled back (clipped or skipped); empty when none was."""
+        s = stats(self.model)["speculation"]
+        last = getattr(self, "_spec_logged", None) or {k: 0 for k in ("steps", "replayed", "skipped")}
+        self._spec_logged = s
+        steps = s["steps"] - last["steps"]
+        if steps <= 0:
+            return {}
+        return {"replay_rate": (s["replayed"] - last["replayed"] + s["skipped"] - last["skipped"]) / steps}
 
     def _measure_norm(self, on: bool) -> None:
         """Makes the next ``optimizer.step()`` measure the global gradient norm

@@ -133,6 +133,7 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
                 validate: bool = True, sum_chunk_bytes: Optional[int] = None,
                 exp_avg_scales: Optional[Sequence[torch.Tensor]] = None,
                 exp_avg_sq_scales: Optional[Sequence[torch.Tensor]] = None,
+                saves: Optional[Tuple[Sequence[torch.Tensor], ...]] = None,
                 ) -> Optional[List[Tuple[array.array, array.array, array.array]]]:
     """One AdamW (``adamw_mode=True``) or Adam-with-L2 step, in place.
 
@@ -161,6 +162,14 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
             <infinity.io.SwapStore.sum_chunk_bytes>`), and return them: per
             tensor, the three ``array('I')`` to pass as ``SwapStore.write(...,
             crcs=)``. Needs the native library.
+        saves: ``(params, exp_avgs, exp_avg_sqs, outs)`` buffers, one per
+            tensor each, the same sizes (fp32; ``outs``' of ``outs``' dtype,
+            None without ``outs``), that receive the old contents of those
+            buffers before the step writes them: a speculative update's undo
+            state. Natively saved in the step's own pass ([Note: the undo
+            state saved in the step's pass] in native/src/adam.cpp); the new
+            values are the same bits as without ``saves``. Not with
+            ``sum_chunk_bytes``.
 
     All tensors of index i must have the same number of elements. Many tensors
     cost one native call: the work is split across threads by element count.
@@ -177,6 +186,13 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
         _check_moments(params, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, mdtype)
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
+    if saves is not None:
+        _check_saves(saves, params, outs, sum_chunk_bytes)
+        if not (native.available() and mdtype == torch.float32):  # saved beforehand, by copies
+            for dst, src in zip(saves, (params, exp_avgs, exp_avg_sqs, outs if outs is not None else [])):
+                for d, t in zip(dst or [], src):
+                    d.copy_(t)
+            saves = None
     if sum_chunk_bytes is not None:
         _check_sum_chunk_bytes(sum_chunk_bytes)
         if mdtype != torch.float32:
@@ -192,7 +208,7 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
         return None
     if native.available():
         return _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
-                            weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads, sum_chunk_bytes)
+                            weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads, sum_chunk_bytes, saves)
     else:
         _fallback_step(params, grads, exp_avgs, exp_avg_sqs, outs, lr, beta1, beta2, eps, weight_decay,
                        bc1, bc2, grad_scale, adamw_mode)
@@ -204,6 +220,27 @@ def _check_lengths(params, grads, exp_avgs, exp_avg_sqs, outs) -> None:
         raise ValueError(f"adamw_step_: list lengths differ: params {n}, grads {len(grads)}, "
                          f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}"
                          + (f", outs {len(outs)}" if outs is not None else ""))
+
+
+def _check_saves(saves, params, outs, sum_chunk_bytes) -> None:
+    """``saves`` of :func:`adamw_step_`: four lists (outs' None without
+    outs) matching their buffers' sizes and dtypes."""
+    if sum_chunk_bytes is not None:
+        raise ValueError("adamw_step_: saves and sum_chunk_bytes cannot be combined")
+    if len(saves) != 4 or (saves[3] is None) != (outs is None):
+        raise ValueError("adamw_step_(saves=...) takes (params, exp_avgs, exp_avg_sqs, outs), outs None "
+                         "exactly when outs is None")
+    for k, what in enumerate(("params", "exp_avgs", "exp_avg_sqs", "outs")):
+        if saves[k] is None:
+            continue
+        for i, d in enumerate(saves[k]):
+            want = torch.float32 if k < 3 else outs[i].dtype
+            if i >= len(params) or d.numel() != params[i].numel() or d.dtype != want or not d.is_contiguous() \
+                    or d.device.type != "cpu":
+                raise ValueError(f"adamw_step_: saves of {what}[{i}] must be a contiguous CPU {want} tensor of "
+                                 f"{params[i].numel() if i < len(params) else '?'} elements")
+        if len(saves[k]) != len(params):
+            raise ValueError(f"adamw_step_: saves of {what}: {len(saves[k])} tensors for {len(params)}")
 
 
 def _check_call(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, step, lr, beta1, beta2, eps,
@@ -255,7 +292,7 @@ def _check_sum_chunk_bytes(sum_chunk_bytes: int) -> None:
 
 
 def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr, beta1, beta2, eps,
-                 weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads, sum_chunk_bytes=None):
+                 weight_decay, bc1, bc2, grad_scale, adamw_mode, num_threads, sum_chunk_bytes=None, saves=None):
     n = len(params)
     ptrs = [t.data_ptr() for t in params]
     ptrs += [t.data_ptr() for t in grads]
@@ -267,10 +304,15 @@ def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr,
     hp = native.AdamHParams(lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, int(bool(adamw_mode)),
                             num_threads or native.default_num_threads())
     odt = _OUT_DT[odtype] if odtype is not None else native.DT_NONE
-    if sum_chunk_bytes is None:
+    sums = None
+    if saves is not None:
+        save_arr = native.carray(ctypes.c_int64, 4 * n)(*[t.data_ptr() for ts in saves[:3] for t in ts],
+                                                        *([t.data_ptr() for t in saves[3]] if outs is not None else [0] * n))
+        rc = native.lib().inf_adam_step_save(native.selected_isa(), n, ptr_arr, numel_arr, _GRAD_DT[gdtype], odt,
+                                             ctypes.byref(hp), save_arr)
+    elif sum_chunk_bytes is None:
         rc = native.lib().inf_adam_step(native.selected_isa(), n, ptr_arr, numel_arr, _GRAD_DT[gdtype], odt,
                                         ctypes.byref(hp))
-        sums = None
     else:
         sums = [tuple(array.array("I", bytes(4 * chunk_count(4 * t.numel(), sum_chunk_bytes))) for _ in range(3))
                 for t in params]

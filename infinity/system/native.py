@@ -105,6 +105,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.inf_adam_step_sums.restype = c.c_int32
     lib.inf_adam_step_sums.argtypes = [c.c_int32, c.c_int64, c.c_void_p, c.c_void_p, c.c_int32, c.c_int32,
                                        c.POINTER(AdamHParams), c.c_int64, c.c_void_p]
+    lib.inf_adam_step_save.restype = c.c_int32
+    lib.inf_adam_step_save.argtypes = [c.c_int32, c.c_int64, c.c_void_p, c.c_void_p, c.c_int32, c.c_int32,
+                                       c.POINTER(AdamHParams), c.c_void_p]
     lib.inf_probe_step.restype = c.c_int32
     lib.inf_probe_step.argtypes = [c.c_int32, c.c_int64, c.c_void_p, c.c_void_p, c.c_int32, c.c_int32,
                                    c.c_int32]

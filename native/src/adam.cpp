@@ -3,8 +3,13 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <string.h>
+
 #include <algorithm>
 #include <vector>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "build_info.h"
 #include "chunk_rule.h"
@@ -66,6 +71,8 @@ struct Job {
   int64_t chunk_bytes = 0;       // bytes per checksum chunk
   const int64_t* item_prefix = nullptr;  // item_prefix[i] = first chunk of tensor i
   const int64_t* sums = nullptr; // 3*n_tensors uint32 arrays: params, exp_avg, exp_avg_sq
+  // Save mode (inf_adam_step_save): 4*n_tensors addresses the old bytes go to.
+  const int64_t* saves = nullptr;
 };
 
 int dt_size(int32_t dt) {
@@ -74,6 +81,66 @@ int dt_size(int32_t dt) {
     case INF_DT_BF16:
     case INF_DT_F16: return 2;
     default: return 0;
+  }
+}
+
+// [Note: the undo state saved in the step's pass]
+// A speculative update (engine/step/speculate.py) must keep the bytes it
+// overwrites. Copied beforehand (torch copy_), that is a second pass over
+// DRAM reading 16 bytes a parameter and writing 16 (plus the reads for
+// ownership), about twice the step itself. Here each thread copies a tile
+// of its range to the save buffers just before the kernel steps that tile:
+// the kernel then reads it from cache, so what the save adds is only its
+// writes, streamed (non-temporal: no read for ownership, and the undo state
+// is read again only by a rollback). The kernel is the unchanged per-element
+// kernel over the same elements, so the new values are inf_adam_step's bit
+// for bit on every ISA.
+constexpr int64_t kSaveTile = 4096;  // elements: 16 KiB of each fp32 stream
+
+void save_bytes(void* dst, const void* src, int64_t bytes) {
+#if defined(__SSE2__)
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  for (; bytes > 0 && (reinterpret_cast<uintptr_t>(d) & 15); --bytes) *d++ = *s++;
+  for (; bytes >= 64; bytes -= 64, d += 64, s += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+  }
+  if (bytes > 0) memcpy(d, s, static_cast<size_t>(bytes));
+#else
+  memcpy(dst, src, static_cast<size_t>(bytes));
+#endif
+}
+
+// Streaming stores are weakly ordered: fenced before the thread reports done.
+void save_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// Elements [s, e) of tensor t (p, g, m, v, o already offset by s), saving
+// the old p, m, v and o tile by tile first.
+void step_saving(const Job& j, int64_t t, int64_t s, int64_t e, float* p, const char* g, float* m, float* v,
+                 char* o) {
+  const int64_t n = j.n_tensors;
+  float* sp = reinterpret_cast<float*>(j.saves[t]) + s;
+  float* sm = reinterpret_cast<float*>(j.saves[n + t]) + s;
+  float* sv = reinterpret_cast<float*>(j.saves[2 * n + t]) + s;
+  char* so = o ? reinterpret_cast<char*>(j.saves[3 * n + t]) + s * j.osize : nullptr;
+  for (int64_t i = 0; i < e - s; i += kSaveTile) {
+    const int64_t k = std::min(kSaveTile, e - s - i);
+    save_bytes(sp + i, p + i, 4 * k);
+    save_bytes(sm + i, m + i, 4 * k);
+    save_bytes(sv + i, v + i, 4 * k);
+    if (o) save_bytes(so + i * j.osize, o + i * j.osize, k * j.osize);
+    j.fn(p + i, g + i * j.gsize, m + i, v + i, o ? o + i * j.osize : nullptr, k, j.gdt, j.odt, j.c, false);
   }
 }
 
@@ -103,8 +170,10 @@ void run_chunk(void* raw, int tid) {
     float* m = reinterpret_cast<float*>(j.ptrs[2 * n + t]) + s;
     float* v = reinterpret_cast<float*>(j.ptrs[3 * n + t]) + s;
     char* o = j.osize ? reinterpret_cast<char*>(j.ptrs[4 * n + t]) + s * j.osize : nullptr;
-    j.fn(p, g, m, v, o, e - s, j.gdt, j.odt, j.c, j.probe);
+    if (j.saves) step_saving(j, t, s, e, p, g, m, v, o);
+    else j.fn(p, g, m, v, o, e - s, j.gdt, j.odt, j.c, j.probe);
   }
+  if (j.saves) save_fence();
 }
 
 // [Note: sums from the producer]
@@ -153,7 +222,7 @@ void run_sum_chunks(void* raw, int tid) {
 
 int32_t run(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* numels,
             int32_t gdt, int32_t odt, const AdamConsts& c, int32_t num_threads, bool probe,
-            int64_t chunk_bytes = 0, const int64_t* sums = nullptr) {
+            int64_t chunk_bytes = 0, const int64_t* sums = nullptr, const int64_t* saves = nullptr) {
   if (n_tensors < 0 || (n_tensors > 0 && (!ptrs || !numels))) return INF_E_INVAL;
   if (dt_size(gdt) == 0) return INF_E_INVAL;
   if (odt != INF_DT_NONE && dt_size(odt) == 0) return INF_E_INVAL;
@@ -181,6 +250,15 @@ int32_t run(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* 
 
   Job job{fn, ptrs, n_tensors, prefix.data(), gdt, odt, dt_size(gdt),
           odt == INF_DT_NONE ? 0 : dt_size(odt), c, probe, nt};
+  if (saves) {
+    for (int64_t i = 0; i < n_tensors; ++i) {
+      if (numels[i] == 0) continue;
+      for (int k = 0; k < 3; ++k)
+        if (saves[k * n_tensors + i] == 0) return INF_E_INVAL;
+      if (odt != INF_DT_NONE && saves[3 * n_tensors + i] == 0) return INF_E_INVAL;
+    }
+    job.saves = saves;
+  }
   if (!sums) {
     parallel_run(nt, run_chunk, &job);
     return INF_OK;
@@ -258,6 +336,13 @@ int32_t inf_adam_step_sums(int32_t isa, int64_t n_tensors, const int64_t* ptrs, 
                            int64_t chunk_bytes, const int64_t* sums) {
   if (!sums || chunk_bytes < 4096 || (chunk_bytes & (chunk_bytes - 1))) return INF_E_INVAL;
   return adam_call(isa, n_tensors, ptrs, numels, grad_dtype, out_dtype, hp, chunk_bytes, sums);
+}
+
+int32_t inf_adam_step_save(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* numels,
+                           int32_t grad_dtype, int32_t out_dtype, const inf_adam_hparams* hp, const int64_t* saves) {
+  if (!hp || !saves) return INF_E_INVAL;
+  const AdamConsts c = adam_consts(*hp);
+  return run(isa, n_tensors, ptrs, numels, grad_dtype, out_dtype, c, hp->num_threads, false, 0, nullptr, saves);
 }
 
 int32_t inf_probe_step(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* numels,

@@ -39,7 +39,7 @@ class Net(nn.Module):
 
 class Updater:
     """Stands in for step/update.py's updater. The schedules use only
-    ``run(u, grad, written, out, scale, live, hyper=None)`` and
+    ``run(u, grad, written, out, scale, live, hyper=None, undo=None)`` and
     ``param_groups`` (the hyper-parameters the delayed mode and the early
     updates take). An SGD step with lr 1 into ``out`` (the host compute
     copy); a held unit's update waits for its gate, then is recorded."""
@@ -48,7 +48,8 @@ class Updater:
         self.calls, self.gates = [], {}
         self.param_groups = [dict(lr=1.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, params=[])]
 
-    def run(self, u, grad, written, out, scale, live, hyper=None):
+    def run(self, u, grad, written, out, scale, live, hyper=None, undo=None):
+        assert undo is None  # these schedules run no speculative update
         gate = self.gates.get(u.index)
         if gate is not None:
             assert gate.wait(5), "gate never opened"

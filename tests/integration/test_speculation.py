@@ -4,6 +4,7 @@ runs each update during backward and checks it at step(). Whatever the
 check finds, every loss, every final tensor, every moment and step count
 must be overlap="step"'s, bit for bit."""
 
+import threading
 import warnings
 
 import pytest
@@ -176,3 +177,47 @@ def test_checkpoint_across_a_replayed_step(tmp_path, blocking):
     model, opt = make("backward", clip)
     infinity.load_checkpoint(path, model, opt)
     assert_same_bits(finish(model, opt, losses[:3] + train(model, opt, factors, STEPS, first=3)), want)
+
+
+@pytest.mark.parametrize("where", ["rollback", "redo"])
+def test_a_fault_during_a_replay_fails_the_engine_with_nothing_mixed(tmp_path, monkeypatch, where):
+    """A fault while step 2's speculation is rolled back (the second unit's
+    restore) or redone (the second unit's update): step() raises that fault,
+    every later call EngineFailedError naming it (no mix of replayed and
+    speculated units is served), and the checkpoint of before the step
+    resumes to overlap="step"'s bytes."""
+    from infinity.engine.faults import EngineFailedError
+    from infinity.engine.step import speculate
+    clip, factors = CLIPS["some"]
+    want = run("step", clip, factors)
+    model, opt = make("backward", clip)
+    losses = train(model, opt, factors, 2)
+    path = infinity.save_checkpoint(str(tmp_path), model, opt)
+    calls = []
+
+    def failing(real):
+        def fn(*a, **kw):
+            if threading.current_thread() is threading.main_thread():  # the replay, not the speculation
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError(f"injected fault in the {where}")
+            return real(*a, **kw)
+        return fn
+
+    if where == "rollback":
+        monkeypatch.setattr(speculate, "_restore", failing(speculate._restore))
+    else:
+        monkeypatch.setattr(opt.updater, "run", failing(opt.updater.run))
+    x, y = batches(3, b=1)[2]
+    opt.scale_loss(model(x, y) * factors[2]).backward()
+    with pytest.raises(RuntimeError, match=f"injected fault in the {where}"):
+        opt.step()
+    assert len(calls) == 2
+    for call in (opt.step, lambda: model(x, y), opt.state_dict, lambda: infinity.full_state_dict(model)):
+        with pytest.raises(EngineFailedError, match=f"injected fault in the {where}"):
+            call()
+    monkeypatch.undo()
+    infinity.close(model)
+    model, opt = make("backward", clip)
+    infinity.load_checkpoint(path, model, opt)
+    assert_same_bits(finish(model, opt, losses + train(model, opt, factors, STEPS, first=2)), want)

@@ -180,6 +180,32 @@ def test_trainer_without_clipping_logs_the_plain_trainers_grad_norm(tmp_path, ov
     infinity.close(ours.model)
 
 
+def test_trainer_keeps_overlap_backward_under_clipping_and_logs_the_replay_rate(tmp_path):
+    """The Trainer's clipping (max_grad_norm 0.5 here; the norms are above
+    it, so every speculated step is replayed) with overlap="backward": the
+    updates are speculative, the training is overlap="step"'s bit for bit,
+    and each log says which share of its steps was replayed."""
+    build, unit = BUILDERS["llama"]
+    out = {}
+    for overlap in ("step", "backward"):
+        torch.manual_seed(0)
+        tr = InfinityTrainer(model=build(), args=training_args(tmp_path / overlap, save_strategy="no", max_steps=6),
+                             train_dataset=dataset(),
+                             infinity_config=dataclasses.replace(config(unit, tmp_path), overlap=overlap))
+        tr.train()
+        out[overlap] = (tr, logged(tr, "loss"), logged(tr, "replay_rate"),
+                        {k: v.clone() for k, v in infinity.full_state_dict(tr.model).items()},
+                        infinity.stats(tr.model)["speculation"], tr.infinity_engine.config.overlap)
+        infinity.close(tr.model)
+    (_, loss_s, rate_s, sd_s, _, _), (_, loss_b, rate_b, sd_b, spec, overlap) = out["step"], out["backward"]
+    assert overlap == "backward" and spec["off"] is None
+    assert loss_b == loss_s and all(torch.equal(sd_b[k], sd_s[k]) for k in sd_s)
+    assert rate_s == []  # nothing speculates with overlap="step"
+    # The back-off: steps 1, 3 (after waiting 1) and 6 (after waiting 2) speculate, and are replayed.
+    assert spec["steps"] == spec["replayed"] == 3 and spec["waited"] == 3, spec
+    assert rate_b == [1.0, 1.0, 1.0], rate_b
+
+
 def test_trainer_refuses_its_own_mixed_precision(tmp_path):
     with pytest.raises(infinity.engine.faults.UsageError, match="Config\\(dtype"):
         InfinityTrainer(model=llama(), args=training_args(tmp_path, bf16=True), train_dataset=dataset())

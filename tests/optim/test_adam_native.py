@@ -1,5 +1,6 @@
 """The native kernel itself: ISA variants, threads, GIL, environment variables."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -102,6 +103,50 @@ def test_step_with_sums_same_update_and_store_rule_sums(threads, chunk):
     assert len(sums) == len(sizes)
     for (p, _, m, v), got in zip(base, sums):
         assert [list(s) for s in got] == [_key_sums(t, chunk) for t in (p, m, v)]
+
+
+@pytest.mark.parametrize("backend", [l for l in native.simd_levels()] + ["fallback"])
+@pytest.mark.parametrize("odtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_step_with_saves_same_update_and_the_old_bytes(backend, odtype, threads, monkeypatch):
+    """saves= (a speculative update's undo state, [Note: the undo state
+    saved in the step's pass] in native/src/adam.cpp): the update is the
+    plain call's bit for bit, on every ISA and thread count, and the save
+    buffers hold each buffer's bytes from before the step."""
+    sizes = [5, 70000, 1, 4096 * 3 + 17, 200000]
+    base = [_problem(n, torch.bfloat16, seed=i) for i, n in enumerate(sizes)]
+    outs = [torch.randn(n).to(odtype) for n in sizes] if odtype is not None else None
+    ref = [[t.clone() for t in prob] for prob in base]
+    ref_outs = [t.clone() for t in outs] if outs is not None else None
+    old = [[t.clone() for t in (p, m, v)] for p, _, m, v in base]
+    old_outs = [t.clone() for t in outs] if outs is not None else None
+    saves = tuple([torch.full_like(x[k], float("nan")) for x in old] for k in range(3)) + (
+        [torch.zeros_like(t) for t in outs] if outs is not None else None,)
+    kw = dict(step=2, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, num_threads=threads)
+    cols = lambda probs: [[x[k] for x in probs] for k in range(4)]
+    if backend == "fallback":  # saved by copies before the torch ops
+        monkeypatch.setattr(native, "available", lambda: False)
+    with contextlib.nullcontext() if backend == "fallback" else native.use_simd(backend):
+        adamw_step_(*cols(base), outs=outs, saves=saves, **kw)
+        adamw_step_(*cols(ref), outs=ref_outs, **kw)
+    for a, b in zip(ref + ([ref_outs] if outs is not None else []), base + ([outs] if outs is not None else [])):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for k in range(3):
+        assert all(torch.equal(s, o[k]) for s, o in zip(saves[k], old))
+    if outs is not None:
+        assert all(torch.equal(s, o) for s, o in zip(saves[3], old_outs))
+
+
+def test_step_with_saves_bad_buffers_are_named():
+    p, g, m, v = _problem(10, torch.float32)
+    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    good = [torch.empty(10)]
+    with pytest.raises(ValueError, match=r"saves of exp_avgs\[0\] must be a contiguous CPU torch.float32"):
+        adamw_step_([p], [g], [m], [v], saves=(good, [torch.empty(9)], good, None), **kw)
+    with pytest.raises(ValueError, match="outs None exactly when outs is None"):
+        adamw_step_([p], [g], [m], [v], saves=(good, good, good, good), **kw)
+    with pytest.raises(ValueError, match="saves and sum_chunk_bytes"):
+        adamw_step_([p], [g], [m], [v], saves=(good, good, good, None), sum_chunk_bytes=4096, **kw)
 
 
 def test_step_with_sums_bad_chunk_is_named():

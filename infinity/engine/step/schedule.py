@@ -237,18 +237,18 @@ class StepSchedule:
                     p.host_cache.close_update(u)
                     p.values_changed(u)
 
-    def update_in_memory(self, u, grad, written: List[bool], scale: float, hyper=None) -> None:
+    def update_in_memory(self, u, grad, written: List[bool], scale: float, hyper=None, undo=None) -> None:
         """One unit's update with its optimizer state in memory (host or
         device). With NVMe homes of the parameters the new compute copy goes
         through the host cache, so it is marked dirty and written back when
-        evicted, never lost."""
+        evicted, never lost. ``undo``: see ``Updater.run``."""
         p = self.p
         if not any(written):
             return  # no gradient this step: nothing changes
         p.fence.wait_unit(u)
         out = p.host_cache.open_for_update(u, all(written)) if p.modes.host_optimizer else None
         try:
-            self.updater.run(u, grad, written, out, scale, live=True, hyper=hyper)
+            self.updater.run(u, grad, written, out, scale, live=True, hyper=hyper, undo=undo)
         finally:
             if p.modes.host_optimizer:
                 p.host_cache.close_update(u)
@@ -370,9 +370,8 @@ class BackwardSchedule(StepSchedule):
         else:
             def job() -> None:
                 p.grads.wait(u)
-                if spec is not None:
-                    spec.save(u)
-                self.update_in_memory(u, grad, written, scale, hyper)
+                undo = spec.begin(u) if spec is not None else None
+                self.update_in_memory(u, grad, written, scale, hyper, undo)
 
         self._running[u.index] = p.mover.host_job(self._guarded(job, u))
         if p.modes.opt_nvme:

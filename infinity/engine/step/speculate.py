@@ -8,16 +8,19 @@ unit's update runs during backward as if the step's gradient scale were the
 one without clipping (``Scaling.base_scale``: 1 / world, times 1 / loss
 scale with fp16) and no gradient overflowed:
 
-- *Undo state.* Before the update the host thread copies the bytes the
-  update may change into one host-pool buffer of the unit (``undo_bytes`` in
+- *Undo state.* The update's own kernel calls save the bytes they
+  overwrite into one host-pool buffer of the unit (``undo_bytes`` in
   plan/placement.py, in the host budget's capacity): the fp32 master, both
-  moments, the trainable part of the host compute copy, and the slots' step
-  counts. The buffer is taken on the autograd thread as the update is
+  moments and the compute copy, for the ranges each call writes
+  (``adamw_step_(saves=)``: [Note: the undo state saved in the step's pass]
+  in native/src/adam.cpp), and the slots' step counts as the update
+  begins. The buffer is taken on the autograd thread as the update is
   queued (the root's with the first one: its update ends backward, on the
-  step's critical path, so its state is saved while backward runs), only if
-  the pool has room then (``HostRoom.try_acquire``: nothing
-  is evicted for it); a unit that finds none waits for ``step()`` like
-  before, and the run says so once (a warning, and ``stats()``).
+  step's critical path, so its whole state is copied ahead while backward
+  runs, and its update saves nothing more), only if the pool has room then
+  (``HostRoom.try_acquire``: nothing is evicted for it); a unit that finds
+  none waits for ``step()`` like before, and the run says so once (a
+  warning, and ``stats()``).
 - *Validation.* ``step()`` takes the norm over every unit's gradients, in
   program order, exactly as overlap="step" does (the gradients stay in their
   buffers until then), and so the same clip coefficient and overflow flag.
@@ -42,11 +45,13 @@ scale with fp16) and no gradient overflowed:
 The hyper-parameters are those of the step's first early update ([Note:
 hyper-parameters of early updates] in schedule.py), for the replay too.
 
-Cost: the save reads and writes 16 bytes a parameter (fp32 compute copy;
-14 in bf16) on the host thread before each update, about twice the AdamW
-kernel's own time on the 2-core development machine (torch's ``copy_``):
-hidden where the host thread has that room behind backward. A replay's
-rollback copies 12 bytes a parameter back, on the step's critical path.
+Cost: saved in the kernel's pass, the undo state adds the writes of 16
+bytes a parameter (fp32 compute copy; 14 in bf16) to the update, streamed:
+on the 2-core development machine that adds about 1.2-1.3 times the
+kernel's own time, against 2-3 times for copying them beforehand with
+torch ``copy_`` (docs/native.md).
+A replay's rollback copies the saved ranges back (12 bytes a parameter, the
+compute copy too for a skipped step), on the step's critical path.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -65,16 +70,31 @@ __all__ = ["Speculation", "MAX_BACKOFF"]
 MAX_BACKOFF = 8  # steps waited at most after replays in a row
 
 
+Runs = List[Tuple[int, int]]
+
+
 @dataclass
 class _Undo:
-    """One unit's undo state: views into one pool buffer ``buf``."""
+    """One unit's undo state: views into one pool buffer ``buf``, at the
+    indices of the buffers they save (state: the master's; compute: the
+    kernel's copy-out's)."""
 
     buf: object
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     compute: torch.Tensor
-    steps: Optional[List[int]] = None  # the slots' step counts, once saved
+    steps: Optional[List[int]] = None  # the slots' step counts, once the update began
+    # (state ranges, compute ranges or None) the kernel calls saved; None: the whole buffers, saved ahead.
+    runs: Optional[List[Tuple[Runs, Optional[Runs]]]] = None
+
+    def take(self, state: Runs, compute: Optional[Runs]) -> tuple:
+        """The save buffers of one kernel call over the master's ranges
+        ``state`` and the copy-out's ``compute`` (None: no copy-out), as
+        ``adamw_step_(saves=)`` takes them; recorded for the rollback."""
+        self.runs.append((state, compute))
+        return tuple([t[a:b] for a, b in state] for t in (self.master, self.exp_avg, self.exp_avg_sq)) + (
+            [self.compute[a:b] for a, b in compute] if compute is not None else None,)
 
 
 class Speculation:
@@ -122,16 +142,25 @@ class Speculation:
         return True
 
     def save(self, u) -> None:
-        """Copies ``u``'s state into its undo buffer (host thread, before its
-        update; once, if saved ahead)."""
+        """Copies ``u``'s whole state into its undo buffer ahead of its
+        update (host thread, while backward runs)."""
         d, o = self._undo[u.index], u.opt
-        if d.steps is not None:
-            return
         d.master.copy_(o.master)
         d.exp_avg.copy_(o.exp_avg)
         d.exp_avg_sq.copy_(o.exp_avg_sq)
         d.compute.copy_(self.p.host_cache.home(u)[:d.compute.numel()])
         d.steps = [s.step for s in u.layout.trainable_slots]
+
+    def begin(self, u) -> Optional[_Undo]:
+        """``u``'s update starts (host thread): its step counts are kept;
+        returns the undo state its kernel calls save into in their own pass
+        (``Updater.run(undo=)``), or None where :meth:`save` saved it ahead."""
+        d = self._undo[u.index]
+        if d.steps is not None:
+            return None
+        d.runs = []
+        d.steps = [s.step for s in u.layout.trainable_slots]
+        return d
 
     def _warn_room(self, u) -> None:
         if self._warned_room:
@@ -193,18 +222,7 @@ class Speculation:
             if d.steps is None:
                 continue  # its update never started (a fault before it)
             p.fence.wait_unit(u)
-            o = u.opt
-            o.master.copy_(d.master)
-            o.exp_avg.copy_(d.exp_avg)
-            o.exp_avg_sq.copy_(d.exp_avg_sq)
-            if compute:
-                comp = p.host_cache.open_for_update(u)
-                try:
-                    comp[:d.compute.numel()].copy_(d.compute)
-                finally:
-                    p.host_cache.close_update(u)
-            for s, n in zip(u.layout.trainable_slots, d.steps):
-                s.step = n
+            _restore(u, d, p.host_cache, compute)
             p.values_changed(u)
         self._release()
         p.residency.invalidate()  # no device copy keeps a speculated value
@@ -215,3 +233,27 @@ class Speculation:
             with self.p.room.lock:
                 for d in undo.values():
                     self.p.room.release(d.buf)
+
+
+def _restore(u, d: _Undo, host_cache, compute: bool) -> None:
+    """``u``'s master, moments and step counts (and ``compute``: its
+    compute copy) as ``d`` saved them: the ranges its kernel calls wrote,
+    or the whole buffers where saved ahead."""
+    o = u.opt
+    whole = [(0, d.master.numel())]
+    runs = d.runs if d.runs is not None else [(whole, [(0, d.compute.numel())])]
+    for state, _ in runs:
+        for a, b in state:
+            o.master[a:b].copy_(d.master[a:b])
+            o.exp_avg[a:b].copy_(d.exp_avg[a:b])
+            o.exp_avg_sq[a:b].copy_(d.exp_avg_sq[a:b])
+    if compute and any(c for _, c in runs):
+        comp = host_cache.open_for_update(u)
+        try:
+            for _, c in runs:
+                for a, b in c or ():
+                    comp[a:b].copy_(d.compute[a:b])
+        finally:
+            host_cache.close_update(u)
+    for s, n in zip(u.layout.trainable_slots, d.steps):
+        s.step = n

@@ -83,14 +83,16 @@ class Updater:
     # -- the update ----------------------------------------------------------------------
 
     def run(self, u, grad: torch.Tensor, written: List[bool], out: Optional[torch.Tensor], grad_scale: float,
-            live: bool = True, hyper: Optional[List[dict]] = None) -> Optional[dict]:
+            live: bool = True, hyper: Optional[List[dict]] = None, undo=None) -> Optional[dict]:
         """AdamW on ``u``: one kernel call per (param group, step count) run of
         consecutive slots that got gradients, writing the new compute copy into
         ``out`` (None: none, or the master is the copy). ``live``: ``out`` is the
         home now (not the delayed mode's second buffer), so the parameters'
         versions move. ``hyper``: the param groups' hyper-parameters as they
         were at ``step()`` (an update that runs later must not see an LR
-        scheduler's next value). Returns the checksums the kernel took (kind -> sums),
+        scheduler's next value). ``undo``: a speculative update's undo state
+        (speculate.py), into which each kernel call saves the bytes it
+        overwrites in its own pass. Returns the checksums the kernel took (kind -> sums),
         when one call updated the whole buffers, else None."""
         t0 = time.perf_counter()
         o = u.opt
@@ -106,7 +108,7 @@ class Updater:
             if whole:
                 global_ranges = [(0, u.place.trainable_numel)]
             got = self._run_group(u, grad, out, global_ranges, (hyper or self.param_groups)[gi], step + 1, grad_scale,
-                                  chunk if whole else None)
+                                  chunk if whole else None, undo)
             sums = got if got is not None else sums
         slots = u.layout.trainable_slots
         for ti, s in enumerate(slots):
@@ -128,7 +130,7 @@ class Updater:
             dst[a:b].copy_(src[a:b])
 
     def _run_group(self, u, grad, out, global_ranges, g: dict, step: int, grad_scale: float,
-                   chunk: Optional[int]) -> Optional[dict]:
+                   chunk: Optional[int], undo=None) -> Optional[dict]:
         """One kernel call over ``global_ranges`` with group ``g``'s hyperparameters."""
         o = u.opt
         # ZeRO: only the part inside the own shard; state buffers are shard-local.
@@ -140,20 +142,19 @@ class Updater:
         ranges = [self.clip_to_shard(u, a, b) for a, b in ranges]
         ps, gs = [o.master[a:b] for a, b in st], [grad[a:b] for a, b in gr]
         ms, vs = [o.exp_avg[a:b] for a, b in st], [o.exp_avg_sq[a:b] for a, b in st]
-        if out is not None and self.modes.zero == 3:
-            outs = [out[a:b] for a, b in st]  # the home copy is the shard, trainable part first
-        else:
-            outs = [out[a:b] for a, b in ranges] if out is not None else None
+        out_ranges = st if self.modes.zero == 3 else ranges  # ZeRO-3: the home copy is the shard, trainable part first
+        outs = [out[a:b] for a, b in out_ranges] if out is not None else None
         h = group_hyper(g)  # checked by the optimizer's step() before any update
         if o.master.device.type == "cuda":
             _device_step(ps, gs, ms, vs, step, h, grad_scale)
             return None
         take_sums = chunk is not None and len(st) == 1 and st[0] == (0, o.master.numel())
+        saves = undo.take(st, out_ranges if out is not None else None) if undo is not None else None
         got = adamw_step_(ps, gs, ms, vs, step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                           weight_decay=h.weight_decay, adamw_mode=h.adamw_mode, grad_scale=grad_scale * h.sign,
                           outs=outs,
                           num_threads=self.num_threads, validate=False,
-                          sum_chunk_bytes=chunk if take_sums else None)
+                          sum_chunk_bytes=chunk if take_sums else None, saves=saves)
         return dict(zip(KINDS, got[0])) if got else None
 
 
