@@ -179,11 +179,12 @@ def device_fit(peaks: dict, size: Optional[int]) -> tuple:
             + "a smaller micro-batch or sequence lowers the activations")
 
 
-def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: bool) -> str:
+def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: bool, activations=None) -> str:
     """A placement for this machine: the first of none / host / nvme (with a
     host budget) whose predicted peaks fit the free device memory, 80% of the
     RAM this process may use and the free disk on the swap paths; if none
-    does, what the last one needs against what the machine has."""
+    does, what the last one needs against what the machine has.
+    ``activations``: estimator.measure_activations's result, when measured already."""
     import dataclasses
     import shutil
 
@@ -202,7 +203,7 @@ def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: b
             cfg = dataclasses.replace(config, offload_params=place,
                                       offload_optimizer="host" if place == "none" else place,
                                       device_memory=None if place == "none" else config.device_memory)
-            p = estimate_peaks(model, cfg, forward, world=world, lazy=lazy)
+            p = estimate_peaks(model, cfg, forward, world=world, lazy=lazy, activations=activations)
         except ValueError:
             continue
         need = {t: p[t]["peak"] for t in have}
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     """Prints the estimate of the run file; 1 when a given budget is below a
     minimum or the device's need does not fit ``--device-size``."""
     from ..config.validate import parse_bytes
-    from ..engine.plan.estimator import compute_device, estimate_peaks
+    from ..engine.plan.estimator import compute_device, estimate_peaks, measure_activations, placed
     config, model, forward, lazy = load_run_for_estimate(args.config)
     try:
         size = parse_bytes(args.device_size, "--device-size") if args.device_size is not None else None
@@ -256,14 +257,16 @@ def run(args: argparse.Namespace) -> int:
         size = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     est = estimate(model, config, args.world)
     print(render(est))
-    peaks = estimate_peaks(model, config, forward, world=args.world, lazy=lazy)
+    # One meta forward for the activations serves every placement below (they do not change it).
+    act = measure_activations(model, placed(model, config, args.world)[0], forward)
+    peaks = estimate_peaks(model, config, forward, world=args.world, lazy=lazy, activations=act)
     print(render_peaks(peaks, args.world))
     fits, line = device_fit(peaks, size)
     if line:
         print(line)
-    print(suggest(model, config, forward, args.world, lazy))
+    print(suggest(model, config, forward, args.world, lazy, act))
     if args.time:
         from .estimate_time import run_time
-        print(run_time(model, config, forward, args.world, lazy, args.profile))
+        print(run_time(model, config, forward, args.world, lazy, args.profile, act))
     short = any(est[t]["budget"] is not None and est[t]["budget"] < est[t]["minimum"] for t in ("device", "host"))
     return 1 if short or not fits else 0

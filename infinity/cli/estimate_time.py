@@ -96,8 +96,10 @@ def render_time(rows) -> str:
     return "\n".join(lines)
 
 
-def run_time(model, config: Config, forward, world: int, lazy: bool, profile_path: Optional[str]) -> str:
-    """The ``--time`` section of ``infinity estimate``."""
+def run_time(model, config: Config, forward, world: int, lazy: bool, profile_path: Optional[str],
+             activations=None) -> str:
+    """The ``--time`` section of ``infinity estimate`` (``activations``:
+    estimator.measure_activations's result when measured already)."""
     if not profile_path:
         raise UsageError("--time needs --profile FILE: measure one with `infinity doctor --profile OUT.json`, "
                          f"or name a shipped one: {shipped_profiles()}")
@@ -111,7 +113,7 @@ def run_time(model, config: Config, forward, world: int, lazy: bool, profile_pat
     units = placed(model, config, world)[0]
     costs = count_pass(model, forward, {u.index: u.modules for u in units[1:]}, modes_dtype)
     limits = _limits(config)
-    a = estimate_peaks(model, config, forward, world=world, lazy=lazy)["activations"]
+    a = estimate_peaks(model, config, forward, world=world, lazy=lazy, activations=activations)["activations"]
     act = a.get("peak_with_checkpointing" if a["checkpointing"] else "peak_without_checkpointing", 0)
     rows = []
     for c in variants(config):
