@@ -77,12 +77,17 @@ def load_run_for_estimate(config_path: str) -> tuple:
     runs one micro-batch of the run file's shape on meta inputs and returns
     the loss (for the activation estimate), plus whether the model is lazy."""
     from ..config.deepspeed import is_deepspeed
-    from .data import open_tokens
-    from .model import build_model
     from .runfile import load_run_file
     data = read_file(config_path)
     no_data = is_deepspeed(data) or "data" not in data
-    run = load_run_file(config_path, {"data.path": "-"} if no_data else None)
+    return meta_run(load_run_file(config_path, {"data.path": "-"} if no_data else None))
+
+
+def meta_run(run) -> tuple:
+    """``(Config, model on the meta device, forward, lazy)`` of a parsed run
+    file (see :func:`load_run_for_estimate`)."""
+    from .data import open_tokens
+    from .model import build_model
     d = run.data
     vocab = open_tokens(d.path, d.format, d.dtype)[1] if os.path.isfile(d.path) else 256
     with torch.device("meta"):

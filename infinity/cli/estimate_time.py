@@ -18,7 +18,7 @@ from ..engine.plan.profile import Profile, load_profile, shipped_profiles
 from ..engine.plan.step_time import StepPrediction, predict_step
 from .common import UsageError
 
-__all__ = ["predict", "variants", "render_time", "run_time"]
+__all__ = ["predict", "predict_run", "variants", "render_time", "run_time"]
 
 PLACEMENTS = (("none", "host"), ("host", "host"), ("host", "nvme"), ("nvme", "nvme"))
 OVERLAPS = ("step", "backward", "delayed")
@@ -27,6 +27,26 @@ OVERLAPS = ("step", "backward", "delayed")
 def predict(model, config: Config, forward, profile: Profile, world: int = 1, costs=None) -> StepPrediction:
     """The predicted step of ``model`` (meta) under ``config`` on ``profile``'s machine."""
     return predict_step(model, config, forward, profile, placed(model, config, world), costs)
+
+
+def predict_run(run, world: int = 1) -> Tuple[Optional[StepPrediction], str]:
+    """The step of a parsed run file predicted on its ``[log] profile``, before
+    the run (``infinity train``): ``(prediction, "")``, or ``(None, why not)``
+    where the model does not cover the run. The meta model is built with the
+    global RNG state saved and restored: the run's own seeding is untouched."""
+    from .estimate import meta_run
+    if world > 1:
+        return None, f"world size {world}: the step model does not cover ZeRO collectives yet"
+    if run.data.grad_accumulation > 1:
+        return None, (f"data.grad_accumulation={run.data.grad_accumulation}: the step model predicts one "
+                      "micro-batch a step")
+    try:
+        profile = load_profile(run.log.profile)
+    except ValueError as e:
+        raise UsageError(f"log.profile: {e}") from None
+    with torch.random.fork_rng(devices=[]):
+        config, model, forward, _ = meta_run(run)
+    return predict(model, config, forward, profile), ""
 
 
 def variants(config: Config) -> List[Config]:
