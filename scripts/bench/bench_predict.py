@@ -11,7 +11,11 @@ measurements. Unless ``--profile FILE`` is given, a fresh profile is measured
 (``infinity doctor --profile``'s code, in the row's dtype) just before each
 row: on a machine shared with other jobs its speed drifts by tens of percent
 within minutes, and a profile measured then is the machine the row runs on.
-Nothing is fitted to the rows.
+Nothing is fitted to the rows. The runs and the profile use ``--threads``
+torch threads (default 1): with 2 on this shared 2-core machine an op's
+fixed cost measured 1.6-5 ms against 0.1 ms with 1 (torch's parallel
+regions wait for a descheduled worker), varying several-fold between runs
+a minute apart, which no profile taken beforehand can follow.
 
 Prints one row per configuration: predicted and measured seconds, the error
 (predicted / measured - 1), the predicted bound, and the median absolute
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -56,6 +61,7 @@ ROWS = [
     ("all nvme backward b1", {"offload_params": "nvme", "offload_optimizer": "nvme", "overlap": "backward"}, {}, 1),
     ("host step bf16 b2", {"dtype": "bf16"}, {"n_layer": 2, "n_embd": 128}, 2),
 ]
+PROBE_SIZES = (128, 256, 512, 1024)  # the bench model's products are n ~ 200-700 (clamped beyond)
 CI_ROWS = (0, 3, 8)  # the rows tests/cli/test_estimate_time.py predicts (structure only)
 
 
@@ -78,24 +84,40 @@ def row_config(i: int):
 
 
 def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
-    """Trains row ``i`` and returns its median step seconds and bytes moved per step."""
+    """Trains row ``i``: its median step seconds, the median forward,
+    backward and step() seconds, the optimizer's seconds a step, and the
+    bytes moved per step."""
     import infinity
+    from infinity.cli.profile_measure import compute_speeds
     from infinity.models import GPT
     config, gcfg, batch = row_config(i)
     torch.manual_seed(0)
     model, opt = infinity.initialize(GPT(gcfg), config, lr=1e-4)
     x = torch.randint(0, gcfg.vocab_size, (batch, gcfg.block_size))
-    ts = []
+    ts, parts, opt_s, probes = [], [], [], []
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[config.torch_dtype]
     for s in range(warmup + steps):
+        if s >= warmup:  # the machine's compute speed now, between the steps it is compared with
+            probes.append(compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES))
         t0 = time.perf_counter()
+        o0 = infinity.stats(model)["optimizer_seconds"]
         loss = model(x, x)
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        ts.append(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        ts.append(t3 - t0)
+        parts.append((t1 - t0, t2 - t1, t3 - t2))
+        opt_s.append(infinity.stats(model)["optimizer_seconds"] - o0)
+    probes.append(compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES))
     st = infinity.stats(model)
     infinity.close(model)
-    return {"seconds": statistics.median(ts[warmup:]), "all": ts[warmup:], "bytes": st["step_bytes_moved"]}
+    med = lambda xs: statistics.median(xs[warmup:])  # noqa: E731
+    return {"seconds": med(ts), "all": ts[warmup:], "bytes": st["step_bytes_moved"],
+            "forward": med([p[0] for p in parts]), "backward": med([p[1] for p in parts]),
+            "step": med([p[2] for p in parts]), "optimizer": med(opt_s), "probes": probes}
 
 
 def predict_row(i: int, profile):
@@ -109,14 +131,67 @@ def predict_row(i: int, profile):
     return predict(model, config, lambda m: m(x, x), profile)
 
 
+def same_time_profile(profile, probes: list):
+    """``profile`` with its compute figures (GEMM rates, memory bandwidth,
+    per-op cost) replaced by the medians of the probes the run measured
+    between its steps: on a shared machine the speed drifts by 2x within a
+    minute, so the speed the step is compared with is the one measured with it."""
+    med = statistics.median
+    gemm = {}
+    for dt in probes[0]["gemm_flops"]:
+        sizes = sorted({n for p in probes for n, _ in p["gemm_flops"][dt]})
+        gemm[dt] = [[n, med([r for p in probes for m, r in p["gemm_flops"][dt] if m == n])] for n in sizes]
+    return dataclasses.replace(profile, gemm_flops=gemm, mem_bw=med([p["mem_bw"] for p in probes]),
+                               op_overhead_s=med([p["op_overhead_s"] for p in probes]))
+
+
+def phases(pr, got: dict) -> str:
+    """Predicted against measured seconds of each phase: forward and backward
+    (the compute tasks and what they waited for), step() (after the last
+    backward), and the optimizer's busy time."""
+    tasks = pr.sim.tasks
+    fwd_end = max((t.end for t in tasks if t.name.startswith("forward ")), default=0.0)
+    bwd_end = max((t.end for t in tasks if t.name.startswith("backward ")), default=fwd_end)
+    pred = {"forward": fwd_end, "backward": bwd_end - fwd_end, "step": pr.seconds - bwd_end,
+            "optimizer": pr.busy.get("optimizer", 0.0)}
+    return "  ".join(f"{k} {pred[k]:.3f}/{got[k]:.3f}" for k in pred) + "  (s, predicted/measured)"
+
+
+def one_row(i: int, profile, steps: int, threads: int):
+    """Measures row ``i`` in a child, predicts it from ``profile`` with the
+    compute speeds measured between its steps, prints both; the row's record."""
+    load0 = os.getloadavg()[0]
+    got, proc = run_json_child(__file__, ["--child", str(i), "--steps", str(steps), "--threads", str(threads)])
+    if got is None:
+        print(f"{i:2} {ROWS[i][0]:26} FAILED: {proc.stderr[-400:]}")
+        return None
+    prof = same_time_profile(profile, got["probes"])
+    pr = predict_row(i, prof)
+    err = pr.seconds / got["seconds"] - 1
+    g512 = prof.gemm_rate(row_config(i)[0].dtype, 2 * 512 ** 3) / 1e9
+    load = (load0, os.getloadavg()[0])
+    print(f"{i:2} {ROWS[i][0]:26}{pr.seconds:10.3f}{got['seconds']:10.3f}{100 * err:7.1f}%  {pr.bound:10} "
+          f"{pr.bytes['h2d'] / 1e6:7.1f}/{got['bytes'].get('h2d', 0) / 1e6:<7.1f}   {g512:.1f}, "
+          f"{prof.op_overhead_s * 1e6:.0f}; {load[0]:.1f}-{load[1]:.1f}", flush=True)
+    print("   " + phases(pr, got), flush=True)
+    return {"row": i, "label": ROWS[i][0], "predicted": pr.seconds, "measured": got["seconds"],
+            "steps": got["all"], "error": err, "bound": pr.bound, "exposed": pr.exposed, "busy": pr.busy,
+            "bytes_predicted": pr.bytes, "bytes_measured": got["bytes"], "load_average": load,
+            "phases_measured": {k: got[k] for k in ("forward", "backward", "step", "optimizer")},
+            "profile": dataclasses.asdict(prof)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="profile JSON (default: measure one now)")
     ap.add_argument("--rows", help="comma-separated row indexes (default: all)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the runs and the profile (default 1: see the module docstring)")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     if a.child is not None:
         print(json.dumps(measure_row(a.child, a.steps)))
         return 0
@@ -127,24 +202,13 @@ def main() -> int:
     rows = [int(r) for r in a.rows.split(",")] if a.rows else range(len(ROWS))
     out = []
     print(f"{'#':>2} {'configuration':26}{'predicted':>10}{'measured':>10}{'error':>8}  bound      h2d MB pred/meas"
-          "   profile: GEMM@512 GFLOP/s, op us, measured in s")
+          "   GEMM@512 GFLOP/s, op us (probes, median); load avg")
     for i in rows:
         if a.profile is None:
             profile = measure_profile(torch.device("cpu"), row_config(i)[0].dtype, [SWAP], disk_bytes=128 << 20)
-        pr = predict_row(i, profile)
-        got, proc = run_json_child(__file__, ["--child", str(i), "--steps", str(a.steps)])
-        if got is None:
-            print(f"{i:2} {ROWS[i][0]:26} FAILED: {proc.stderr[-400:]}")
-            continue
-        err = pr.seconds / got["seconds"] - 1
-        out.append({"row": i, "label": ROWS[i][0], "predicted": pr.seconds, "measured": got["seconds"],
-                    "steps": got["all"], "error": err, "bound": pr.bound, "exposed": pr.exposed,
-                    "bytes_predicted": pr.bytes, "bytes_measured": got["bytes"],
-                    "profile": dataclasses.asdict(profile)})
-        g512 = profile.gemm_rate(row_config(i)[0].dtype, 2 * 512 ** 3) / 1e9
-        print(f"{i:2} {ROWS[i][0]:26}{pr.seconds:10.3f}{got['seconds']:10.3f}{100 * err:7.1f}%  {pr.bound:10} "
-              f"{pr.bytes['h2d'] / 1e6:7.1f}/{got['bytes'].get('h2d', 0) / 1e6:<7.1f}   {g512:.1f}, "
-              f"{profile.op_overhead_s * 1e6:.0f}, {profile.extra.get('seconds_to_measure', 0)}", flush=True)
+        r = one_row(i, profile, a.steps, a.threads)
+        if r is not None:
+            out.append(r)
     if out:
         errs = [abs(r["error"]) for r in out]
         print(f"\nmedian |error| {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%, "

@@ -29,9 +29,11 @@ One steady-state step of one micro-batch, as the engine runs it:
 - NVMe parameters: when the host cache cannot hold every compute copy, each
   fetch reads the copy from disk first and each updated copy is written back.
 
+Each unit's forward and backward also pays the profile's ``unit_overhead_s``
+(the engine's hooks and bookkeeping, measured beside plain PyTorch).
+
 Left out: ZeRO collectives (world > 1 is refused), activation memory and the
-allocator, the data loader, the Python time of the hooks beyond the
-profile's per-op overhead, checksums, host-pool back-pressure other than the
+allocator, the data loader, checksums, host-pool back-pressure other than the
 update queue's, and gradient accumulation over several micro-batches.
 """
 
@@ -211,7 +213,7 @@ class _Builder:
             deps = [prev, self.fetch.get(i)]
             if backward and m.opt_nvme and self.overlap == "backward":
                 deps += self._queue_bound(i)
-            secs = unit_seconds(self.costs, phase, i, self.prof, self.dt)
+            secs = unit_seconds(self.costs, phase, i, self.prof, self.dt) + self.prof.unit_overhead_s
             if backward and i == 0:
                 secs += unit_seconds(self.costs, "backward", ROOT_TAIL, self.prof, self.dt)
             prev = self.sim.add(f"{phase} {i}", "compute", secs, COMPUTE, deps)
