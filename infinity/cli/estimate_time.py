@@ -37,9 +37,6 @@ def predict_run(run, world: int = 1) -> Tuple[Optional[StepPrediction], str]:
     from .estimate import meta_run
     if world > 1:
         return None, f"world size {world}: the step model does not cover ZeRO collectives yet"
-    if run.data.grad_accumulation > 1:
-        return None, (f"data.grad_accumulation={run.data.grad_accumulation}: the step model predicts one "
-                      "micro-batch a step")
     try:
         profile = load_profile(run.log.profile)
     except ValueError as e:

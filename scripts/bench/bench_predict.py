@@ -60,9 +60,37 @@ ROWS = [
     ("all nvme step", {"offload_params": "nvme", "offload_optimizer": "nvme"}, {}, 4),
     ("all nvme backward b1", {"offload_params": "nvme", "offload_optimizer": "nvme", "overlap": "backward"}, {}, 1),
     ("host step bf16 b2", {"dtype": "bf16"}, {"n_layer": 2, "n_embd": 128}, 2),
+    ("host step no-ckpt b8", {}, {}, 8),
+    ("host step accum 2", {"grad_accumulation_steps": 2}, {}, 4),
+    ("host backward accum 2", {"overlap": "backward", "grad_accumulation_steps": 2}, {}, 4),
+    ("HF Llama host step", {}, {"hf": True}, 4),
 ]
 PROBE_SIZES = (128, 256, 512, 1024)  # the bench model's products are n ~ 200-700 (clamped beyond)
-CI_ROWS = (0, 3, 8)  # the rows tests/cli/test_estimate_time.py predicts (structure only)
+CI_ROWS = (3, 8, 14)  # the rows tests/cli/test_estimate_time.py predicts (structure only)
+
+
+def make_model(gcfg, hf: bool):
+    """The row's model: the built-in GPT, or a Hugging Face Llama of the same
+    sizes (intermediate 688, grouped-query attention with 2 key/value heads)."""
+    if not hf:
+        from infinity.models import GPT
+        return GPT(gcfg)
+    import transformers
+    c = transformers.LlamaConfig(vocab_size=gcfg.vocab_size, hidden_size=gcfg.n_embd, intermediate_size=688,
+                                 num_hidden_layers=gcfg.n_layer, num_attention_heads=gcfg.n_head,
+                                 num_key_value_heads=2, max_position_embeddings=gcfg.block_size)
+    return transformers.LlamaForCausalLM(c).float()
+
+
+def loss_of(model, x, hf: bool):
+    """The row's loss of inputs ``x`` (next-token; on meta tensors a ready mask, as infinity estimate does)."""
+    if not hf:
+        return model(x, x)
+    if x.device.type == "meta":
+        b, n = x.shape
+        mask = torch.zeros(1, 1, 1, 1, device="meta").expand(b, 1, n, n)
+        return model(input_ids=x, attention_mask=mask, labels=x).loss
+    return model(input_ids=x, labels=x).loss
 
 
 def row_config(i: int):
@@ -70,15 +98,14 @@ def row_config(i: int):
     import infinity
     from infinity.models import GPTConfig
     label, cfg, mdl, batch = ROWS[i]
-    gcfg = GPTConfig(**{**MODEL, **mdl})
+    gcfg = GPTConfig(**{**MODEL, **{k: v for k, v in mdl.items() if k != "hf"}})
     fields = {**BASE, **cfg}
     minimum = fields.pop("device_memory", None) == "min"
     config = infinity.Config(**fields)
     if minimum:
         from infinity.cli.estimate import estimate
-        from infinity.models import GPT
         with torch.device("meta"):
-            m = GPT(gcfg)
+            m = make_model(gcfg, ROWS[i][2].get("hf", False))
         config = dataclasses.replace(config, device_memory=estimate(m, config)["device"]["minimum"])
     return config, gcfg, batch
 
@@ -89,10 +116,10 @@ def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
     bytes moved per step."""
     import infinity
     from infinity.cli.profile_measure import compute_speeds
-    from infinity.models import GPT
     config, gcfg, batch = row_config(i)
+    hf, accum = ROWS[i][2].get("hf", False), config.grad_accumulation_steps
     torch.manual_seed(0)
-    model, opt = infinity.initialize(GPT(gcfg), config, lr=1e-4)
+    model, opt = infinity.initialize(make_model(gcfg, hf), config, lr=1e-4)
     x = torch.randint(0, gcfg.vocab_size, (batch, gcfg.block_size))
     ts, parts, opt_s, probes = [], [], [], []
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[config.torch_dtype]
@@ -101,15 +128,19 @@ def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
             probes.append(compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES))
         t0 = time.perf_counter()
         o0 = infinity.stats(model)["optimizer_seconds"]
-        loss = model(x, x)
-        t1 = time.perf_counter()
-        loss.backward()
+        fb = [0.0, 0.0]
+        for _ in range(accum):
+            t1 = time.perf_counter()
+            loss = loss_of(model, x, hf)
+            t2 = time.perf_counter()
+            loss.backward()
+            fb = [fb[0] + t2 - t1, fb[1] + time.perf_counter() - t2]
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
         t3 = time.perf_counter()
         ts.append(t3 - t0)
-        parts.append((t1 - t0, t2 - t1, t3 - t2))
+        parts.append((fb[0], fb[1], t3 - t2))
         opt_s.append(infinity.stats(model)["optimizer_seconds"] - o0)
     probes.append(compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES))
     st = infinity.stats(model)
@@ -123,12 +154,12 @@ def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
 def predict_row(i: int, profile):
     """The model's prediction of row ``i`` (a StepPrediction)."""
     from infinity.cli.estimate_time import predict
-    from infinity.models import GPT
     config, gcfg, batch = row_config(i)
+    hf = ROWS[i][2].get("hf", False)
     with torch.device("meta"):
-        model = GPT(gcfg)
+        model = make_model(gcfg, hf)
     x = torch.zeros(batch, gcfg.block_size, dtype=torch.long, device="meta")
-    return predict(model, config, lambda m: m(x, x), profile)
+    return predict(model, config, lambda m: loss_of(m, x, hf), profile)
 
 
 def same_time_profile(profile, probes: list):
@@ -147,12 +178,12 @@ def same_time_profile(profile, probes: list):
 
 def phases(pr, got: dict) -> str:
     """Predicted against measured seconds of each phase: forward and backward
-    (the compute tasks and what they waited for), step() (after the last
-    backward), and the optimizer's busy time."""
+    (predicted: the compute tasks' spans, no waits; measured: wall time),
+    step() (after the last backward), and the optimizer's busy time."""
     tasks = pr.sim.tasks
-    fwd_end = max((t.end for t in tasks if t.name.startswith("forward ")), default=0.0)
-    bwd_end = max((t.end for t in tasks if t.name.startswith("backward ")), default=fwd_end)
-    pred = {"forward": fwd_end, "backward": bwd_end - fwd_end, "step": pr.seconds - bwd_end,
+    span = lambda kind: sum(t.end - t.start for t in tasks if t.name.startswith(kind))  # noqa: E731
+    bwd_end = max((t.end for t in tasks if t.resource == "compute"), default=0.0)
+    pred = {"forward": span("forward "), "backward": span("backward "), "step": pr.seconds - bwd_end,
             "optimizer": pr.busy.get("optimizer", 0.0)}
     return "  ".join(f"{k} {pred[k]:.3f}/{got[k]:.3f}" for k in pred) + "  (s, predicted/measured)"
 
