@@ -115,10 +115,11 @@ def unit_overhead(device: torch.device, dtype: str, reps: int = 7) -> float:
 
     from ..api import close, initialize, stats
     from ..config.runtime import Config
-    plain = _Tiny().to(device=device, dtype=_DTYPES[dtype])
+    tiny = _Tiny()
+    plain = _copy.deepcopy(tiny).to(device=device, dtype=_DTYPES[dtype])
     cfg = Config(device=device.type, dtype=dtype, offload_params="host", offload_optimizer="host",
                  unit_classes=["Sequential"])
-    model, opt = initialize(_copy.deepcopy(plain), cfg, lr=0.0)
+    model, opt = initialize(tiny, cfg, lr=0.0)  # an fp32 model: the engine casts its compute copy
     x = torch.randn(2, 8, device=device, dtype=_DTYPES[dtype])
     ours, base = [], []
     try:

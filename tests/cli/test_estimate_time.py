@@ -209,3 +209,10 @@ def test_what_if_names_the_second_swap_path(tmp_path):
     lines = what_if(m, cfg, fwd, profile(disk_read_bw=1e6, disk_write_bw=1e6), costs)
     assert any(x.startswith("a second swap path of the same speed would cut the step") for x in lines)
     assert what_if(m, cfg, fwd, profile(disk_read_bw=1e12, disk_write_bw=1e12), costs) == []
+
+
+def test_unit_overhead_measures_in_a_low_precision_dtype():
+    """The engine's time per unit is measured with an fp32 model handed to
+    initialize (the engine casts the compute copy), whatever the run's dtype."""
+    from infinity.cli.profile_measure import unit_overhead
+    assert unit_overhead(torch.device("cpu"), "bf16", reps=1) >= 0.0
