@@ -15,7 +15,7 @@ models. The root may import anything; nothing below cli may import it.
 
 from .system import native
 from . import optim
-from .api import close, full_state_dict, initialize, stats
+from .api import close, full_state_dict, initialize, set_step_prediction, stats
 from .checkpoint import (AsyncCheckpoint, CheckpointSpaceError, CorruptCheckpointError, export_pretrained, load_checkpoint,
                          save_checkpoint, verify_checkpoint)
 from .config.runtime import Config
@@ -31,8 +31,8 @@ from .progress import StepMeter, on_steps
 
 __version__ = "0.1.0"
 
-__all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "full_state_dict", "BudgetError",
-           "MemoryLimitError",
+__all__ = ["native", "optim", "CPUAdamW", "Config", "initialize", "stats", "set_step_prediction", "full_state_dict",
+           "BudgetError", "MemoryLimitError",
            "EngineFailedError", "init", "load_pretrained", "close", "save_checkpoint", "load_checkpoint",
            "verify_checkpoint", "export_pretrained", "CorruptCheckpointError", "CheckpointSpaceError", "MemoryPressureError", "DeviceOutOfMemoryError", "AsyncCheckpoint",
            "StepMeter", "on_steps", "__version__"]

@@ -256,7 +256,10 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     ``optimizer_threads`` (the CPU AdamW's threads: [Note: the optimizer's
     thread budget] in engine/plan/limits.py); ``model_flops_per_token``
     (FLOPs of one token's forward and backward: [Note: model FLOPs] in
-    progress.py; times tokens/s gives model FLOP/s, see ``infinity.on_steps``).
+    progress.py; times tokens/s gives model FLOP/s, see ``infinity.on_steps``);
+    ``step_seconds`` (the last step's wall time, end of the previous
+    ``step()`` to the end of this one) and ``predicted_step`` (None, or the
+    prediction given to :func:`set_step_prediction`).
     """
     eng = engine_of(model)
     s = eng.stats
@@ -296,7 +299,23 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "host_cache_cap": eng.room.cap_bytes,
         "optimizer_threads": opt.threads if opt is not None else None,
         "model_flops_per_token": _flops_per_token(eng),
+        "step_seconds": s.step_seconds,
+        "predicted_step": _PREDICTED.get(eng),
     }
+
+
+_PREDICTED: "weakref.WeakKeyDictionary[Engine, Dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def set_step_prediction(model: nn.Module, prediction) -> None:
+    """Keeps a predicted step (a ``StepPrediction`` of ``infinity estimate
+    --time``'s model: infinity/engine/plan/step_time.py) for ``stats(model)``
+    to show beside the measured ``step_seconds``: ``predicted_step`` is
+    ``{"seconds", "bound", "exposed"}`` (seconds; exposed per part). Computed
+    once, before the run, by the caller (``infinity train`` with ``[log]
+    profile``): nothing in a step pays for it."""
+    _PREDICTED[engine_of(model)] = {"seconds": float(prediction.seconds), "bound": prediction.bound,
+                                    "exposed": {k: float(v) for k, v in prediction.exposed.items()}}
 
 
 _FLOPS_PER_TOKEN: "weakref.WeakKeyDictionary[Engine, int]" = weakref.WeakKeyDictionary()

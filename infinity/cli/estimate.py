@@ -77,12 +77,17 @@ def load_run_for_estimate(config_path: str) -> tuple:
     runs one micro-batch of the run file's shape on meta inputs and returns
     the loss (for the activation estimate), plus whether the model is lazy."""
     from ..config.deepspeed import is_deepspeed
-    from .data import open_tokens
-    from .model import build_model
     from .runfile import load_run_file
     data = read_file(config_path)
     no_data = is_deepspeed(data) or "data" not in data
-    run = load_run_file(config_path, {"data.path": "-"} if no_data else None)
+    return meta_run(load_run_file(config_path, {"data.path": "-"} if no_data else None))
+
+
+def meta_run(run) -> tuple:
+    """``(Config, model on the meta device, forward, lazy)`` of a parsed run
+    file (see :func:`load_run_for_estimate`)."""
+    from .data import open_tokens
+    from .model import build_model
     d = run.data
     vocab = open_tokens(d.path, d.format, d.dtype)[1] if os.path.isfile(d.path) else 256
     with torch.device("meta"):
@@ -179,11 +184,12 @@ def device_fit(peaks: dict, size: Optional[int]) -> tuple:
             + "a smaller micro-batch or sequence lowers the activations")
 
 
-def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: bool) -> str:
+def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: bool, activations=None) -> str:
     """A placement for this machine: the first of none / host / nvme (with a
     host budget) whose predicted peaks fit the free device memory, 80% of the
     RAM this process may use and the free disk on the swap paths; if none
-    does, what the last one needs against what the machine has."""
+    does, what the last one needs against what the machine has.
+    ``activations``: estimator.measure_activations's result, when measured already."""
     import dataclasses
     import shutil
 
@@ -202,7 +208,7 @@ def suggest(model: torch.nn.Module, config: Config, forward, world: int, lazy: b
             cfg = dataclasses.replace(config, offload_params=place,
                                       offload_optimizer="host" if place == "none" else place,
                                       device_memory=None if place == "none" else config.device_memory)
-            p = estimate_peaks(model, cfg, forward, world=world, lazy=lazy)
+            p = estimate_peaks(model, cfg, forward, world=world, lazy=lazy, activations=activations)
         except ValueError:
             continue
         need = {t: p[t]["peak"] for t in have}
@@ -244,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     """Prints the estimate of the run file; 1 when a given budget is below a
     minimum or the device's need does not fit ``--device-size``."""
     from ..config.validate import parse_bytes
-    from ..engine.plan.estimator import compute_device, estimate_peaks
+    from ..engine.plan.estimator import compute_device, estimate_peaks, measure_activations, placed
     config, model, forward, lazy = load_run_for_estimate(args.config)
     try:
         size = parse_bytes(args.device_size, "--device-size") if args.device_size is not None else None
@@ -256,14 +262,16 @@ def run(args: argparse.Namespace) -> int:
         size = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     est = estimate(model, config, args.world)
     print(render(est))
-    peaks = estimate_peaks(model, config, forward, world=args.world, lazy=lazy)
+    # One meta forward for the activations serves every placement below (they do not change it).
+    act = measure_activations(model, placed(model, config, args.world)[0], forward)
+    peaks = estimate_peaks(model, config, forward, world=args.world, lazy=lazy, activations=act)
     print(render_peaks(peaks, args.world))
     fits, line = device_fit(peaks, size)
     if line:
         print(line)
-    print(suggest(model, config, forward, args.world, lazy))
+    print(suggest(model, config, forward, args.world, lazy, act))
     if args.time:
         from .estimate_time import run_time
-        print(run_time(model, config, forward, args.world, lazy, args.profile))
+        print(run_time(model, config, forward, args.world, lazy, args.profile, act))
     short = any(est[t]["budget"] is not None and est[t]["budget"] < est[t]["minimum"] for t in ("device", "host"))
     return 1 if short or not fits else 0

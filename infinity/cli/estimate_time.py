@@ -18,7 +18,7 @@ from ..engine.plan.profile import Profile, load_profile, shipped_profiles
 from ..engine.plan.step_time import StepPrediction, predict_step
 from .common import UsageError
 
-__all__ = ["predict", "variants", "render_time", "run_time"]
+__all__ = ["predict", "predict_run", "variants", "render_time", "run_time"]
 
 PLACEMENTS = (("none", "host"), ("host", "host"), ("host", "nvme"), ("nvme", "nvme"))
 OVERLAPS = ("step", "backward", "delayed")
@@ -27,6 +27,23 @@ OVERLAPS = ("step", "backward", "delayed")
 def predict(model, config: Config, forward, profile: Profile, world: int = 1, costs=None) -> StepPrediction:
     """The predicted step of ``model`` (meta) under ``config`` on ``profile``'s machine."""
     return predict_step(model, config, forward, profile, placed(model, config, world), costs)
+
+
+def predict_run(run, world: int = 1) -> Tuple[Optional[StepPrediction], str]:
+    """The step of a parsed run file predicted on its ``[log] profile``, before
+    the run (``infinity train``): ``(prediction, "")``, or ``(None, why not)``
+    where the model does not cover the run. The meta model is built with the
+    global RNG state saved and restored: the run's own seeding is untouched."""
+    from .estimate import meta_run
+    if world > 1:
+        return None, f"world size {world}: the step model does not cover ZeRO collectives yet"
+    try:
+        profile = load_profile(run.log.profile)
+    except ValueError as e:
+        raise UsageError(f"log.profile: {e}") from None
+    with torch.random.fork_rng(devices=[]):
+        config, model, forward, _ = meta_run(run)
+    return predict(model, config, forward, profile), ""
 
 
 def variants(config: Config) -> List[Config]:
@@ -96,8 +113,10 @@ def render_time(rows) -> str:
     return "\n".join(lines)
 
 
-def run_time(model, config: Config, forward, world: int, lazy: bool, profile_path: Optional[str]) -> str:
-    """The ``--time`` section of ``infinity estimate``."""
+def run_time(model, config: Config, forward, world: int, lazy: bool, profile_path: Optional[str],
+             activations=None) -> str:
+    """The ``--time`` section of ``infinity estimate`` (``activations``:
+    estimator.measure_activations's result when measured already)."""
     if not profile_path:
         raise UsageError("--time needs --profile FILE: measure one with `infinity doctor --profile OUT.json`, "
                          f"or name a shipped one: {shipped_profiles()}")
@@ -111,7 +130,7 @@ def run_time(model, config: Config, forward, world: int, lazy: bool, profile_pat
     units = placed(model, config, world)[0]
     costs = count_pass(model, forward, {u.index: u.modules for u in units[1:]}, modes_dtype)
     limits = _limits(config)
-    a = estimate_peaks(model, config, forward, world=world, lazy=lazy)["activations"]
+    a = estimate_peaks(model, config, forward, world=world, lazy=lazy, activations=activations)["activations"]
     act = a.get("peak_with_checkpointing" if a["checkpointing"] else "peak_without_checkpointing", 0)
     rows = []
     for c in variants(config):

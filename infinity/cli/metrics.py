@@ -35,6 +35,7 @@ class Metrics:
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = start_step
         self._last = {"stall_seconds": 0.0, "optimizer_wait_seconds": 0.0, "optimizer_seconds": 0.0}
+        self.step_times = []  # stats' step_seconds of every step recorded
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -56,6 +57,10 @@ class Metrics:
             "step_bytes_moved": stats["step_bytes_moved"], "loss_scale": stats["loss_scale"],
             "skipped_steps": stats["skipped_steps"], "rss_bytes": _rss(),
         }
+        pred = stats.get("predicted_step")
+        rec["step_s"] = stats.get("step_seconds")
+        rec["predicted_s"] = pred["seconds"] if pred else None
+        self.step_times.append(rec["step_s"])
         rec["tflops"] = self.flops_per_token * self.tokens_per_step / self.world / dt / 1e12
         rec["mfu"] = rec["tflops"] / self.peak_tflops if self.peak_tflops else None
         self._last_t, self._last_step = now, step
@@ -77,8 +82,9 @@ class Metrics:
             if peak or budget:
                 tiers.append(f"{t} {format_bytes(peak)}" + (f"/{format_bytes(budget)}" if budget else ""))
         mfu = f" MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
+        pred = f" (predicted {rec['predicted_s']:.3f})" if rec.get("predicted_s") else ""
         return (f"loss {rec['loss']:.4f} {rec['tokens_per_s']:.0f} tok/s {rec.get('tflops', 0.0):.3g} TFLOPS{mfu} "
-                f"{rec['s_per_step']:.3f} s/step " + " ".join(tiers))
+                f"{rec['s_per_step']:.3f} s/step{pred} " + " ".join(tiers))
 
     def close(self) -> None:
         """Closes the file and the bar."""

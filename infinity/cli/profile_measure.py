@@ -33,7 +33,7 @@ from ..engine.plan.profile import Profile
 from ..optim import adamw_step_
 from .perf import disk_bandwidth
 
-__all__ = ["measure_profile"]
+__all__ = ["measure_profile", "compute_speeds"]
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -60,10 +60,10 @@ def _timed(fn: Callable[[], None], device: torch.device, reps: int, window: floa
     return (time.perf_counter() - t0) / n
 
 
-def gemm_rates(device: torch.device, dtype: torch.dtype) -> List[List[float]]:
-    """[[n, FLOP/s]] of an n x n x n matrix product, n in GEMM_SIZES (stops early past ~0.3 s a product)."""
+def gemm_rates(device: torch.device, dtype: torch.dtype, sizes=GEMM_SIZES) -> List[List[float]]:
+    """[[n, FLOP/s]] of an n x n x n matrix product, n in ``sizes`` (stops early past ~0.3 s a product)."""
     out = []
-    for n in GEMM_SIZES:
+    for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         t = _timed(lambda: torch.mm(a, b), device, 3 if n >= 1024 else 7, window=0.4)
@@ -103,6 +103,38 @@ def op_overhead(device: torch.device, dtype: torch.dtype) -> float:
     def step():
         model(x).backward()
     return _timed(step, device, 20, window=1.5) / ops
+
+
+def unit_overhead(device: torch.device, dtype: str, reps: int = 7) -> float:
+    """Seconds the engine adds per unit and pass: a tiny model's forward and
+    backward through infinity (parameters and optimizer on the host) against
+    the same model in plain PyTorch, interleaved, medians; its ops cost next
+    to nothing, so the difference is the engine's own time."""
+    import copy as _copy
+    import statistics
+
+    from ..api import close, initialize, stats
+    from ..config.runtime import Config
+    tiny = _Tiny()
+    plain = _copy.deepcopy(tiny).to(device=device, dtype=_DTYPES[dtype])
+    cfg = Config(device=device.type, dtype=dtype, offload_params="host", offload_optimizer="host",
+                 unit_classes=["Sequential"])
+    model, opt = initialize(tiny, cfg, lr=0.0)  # an fp32 model: the engine casts its compute copy
+    x = torch.randn(2, 8, device=device, dtype=_DTYPES[dtype])
+    ours, base = [], []
+    try:
+        for _ in range(reps + 2):
+            base.append(_timed(lambda: plain(x).backward(), device, 1, window=0.0))
+            t0 = time.perf_counter()
+            model(x).backward()
+            _sync(device)
+            ours.append(time.perf_counter() - t0)
+            opt.step()
+            opt.zero_grad()
+        units = stats(model)["units"]
+    finally:
+        close(model)
+    return max(0.0, statistics.median(ours[2:]) - statistics.median(base[2:])) / (2 * units)
 
 
 def copy_rates(device: torch.device, nbytes: int = 64 << 20) -> Dict[str, float]:
@@ -205,21 +237,31 @@ def interference(device: torch.device, dtype: torch.dtype, threads: Optional[int
     return slow
 
 
+def compute_speeds(device: torch.device, dtype: str, sizes=GEMM_SIZES) -> Dict[str, object]:
+    """The compute side of a profile, alone (a few seconds): ``gemm_flops``
+    ({dtype: [[n, FLOP/s]]}, fp32's too), ``mem_bw`` (bytes/s) and
+    ``op_overhead_s`` and ``unit_overhead_s`` (s), as :func:`measure_profile` measures them."""
+    dt = _DTYPES[dtype]
+    gemm = {dtype: gemm_rates(device, dt, sizes)}
+    if dtype != "fp32":
+        gemm["fp32"] = gemm_rates(device, torch.float32, sizes)
+    return {"gemm_flops": gemm, "mem_bw": memory_bandwidth(device), "op_overhead_s": op_overhead(device, dt),
+            "unit_overhead_s": unit_overhead(device, dtype)}
+
+
 def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], threads: Optional[int] = None,
                     disk_bytes: int = 256 << 20) -> Profile:
     """The profile of this machine for compute on ``device`` in ``dtype`` ("bf16", "fp16", "fp32")."""
     t0 = time.perf_counter()
     dt = _DTYPES[dtype]
-    gemm = {dtype: gemm_rates(device, dt)}
-    if dtype != "fp32":
-        gemm["fp32"] = gemm_rates(device, torch.float32)
+    comp = compute_speeds(device, dtype)
     copies = copy_rates(device)
     write, read = disk_bandwidth(swap_paths, disk_bytes) if swap_paths else (1e12, 1e12)
     prof = Profile(
         name=f"measured on this machine ({device.type}, {dtype})",
         source=f"infinity doctor --profile, {time.strftime('%Y-%m-%d %H:%M:%S')}; swap paths {swap_paths}",
-        device=device.type, gemm_flops=gemm, mem_bw=memory_bandwidth(device),
-        op_overhead_s=op_overhead(device, dt), h2d_bw=copies["h2d"], d2h_bw=copies["d2h"],
+        device=device.type, gemm_flops=comp["gemm_flops"], mem_bw=comp["mem_bw"],
+        op_overhead_s=comp["op_overhead_s"], unit_overhead_s=comp["unit_overhead_s"], h2d_bw=copies["h2d"], d2h_bw=copies["d2h"],
         adamw_params_per_s=adamw_rates(threads), disk_read_bw=read, disk_write_bw=write,
         slow=interference(device, dt, threads))
     prof.extra["seconds_to_measure"] = round(time.perf_counter() - t0, 2)

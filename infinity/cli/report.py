@@ -1,6 +1,7 @@
 """``infinity report METRICS.jsonl [-o report.png]``: plots a metrics file
 of ``infinity train``: the loss; the step time split into compute, stall and
-optimizer wait; peak bytes per tier against its budget; bytes moved per link
+optimizer wait (with the measured and predicted step when the run had a
+``log.profile``); peak bytes per tier against its budget; bytes moved per link
 per step. Needs matplotlib (``pip install matplotlib`` or ``infinity[plot]``).
 """
 
@@ -67,6 +68,10 @@ def plot(rows: List[Dict[str, Any]], out: str) -> None:
     ax[0, 0].set(title="loss", xlabel="step")
     parts = [("compute_s", "compute"), ("stall_s", "stall"), ("optimizer_wait_s", "optimizer wait")]
     ax[0, 1].stackplot(steps, *[[r.get(k, 0.0) for r in rows] for k, _ in parts], labels=[n for _, n in parts])
+    pred = [r.get("predicted_s") for r in rows]
+    if any(p is not None for p in pred):  # infinity train with log.profile: measured beside predicted
+        ax[0, 1].plot(steps, [r.get("step_s") for r in rows], color="black", label="step, measured")
+        ax[0, 1].plot(steps, pred, color="black", linestyle="--", label="step, predicted")
     ax[0, 1].set(title="step time", xlabel="step", ylabel="s")
     ax[0, 1].legend(loc="upper right")
     _tiers(ax[1, 0], steps, rows)

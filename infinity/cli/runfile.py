@@ -100,6 +100,7 @@ class LogSection:
     metrics: Optional[str] = None
     every: int = 1
     progress: bool = True
+    profile: Optional[str] = None  # a hardware profile: the step predicted before the run, shown beside the measured
 
 
 _SECTIONS = {"model": ModelSection, "data": DataSection, "optimizer": OptimizerSection,
@@ -187,7 +188,7 @@ _CHECKS: Dict[str, Dict[str, Callable[[str, Any], Any]]] = {
     "train": {"steps": _count(1), "seed": lambda n, v: V.integer(n, v, *V.SEED_RANGE),
               "torch_threads": _opt(lambda n, v: V.integer(n, v, 1, V.MAX_THREADS))},
     "checkpoint": {"dir": _PATH, "every": _count(0), "keep_last": _count(1)},
-    "log": {"metrics": _PATH, "every": _count(1), "progress": _BOOL},
+    "log": {"metrics": _PATH, "every": _count(1), "progress": _BOOL, "profile": _PATH},
 }
 
 
@@ -248,6 +249,8 @@ def load_run_file(path: str, overrides: Optional[Dict[str, Any]] = None) -> RunF
         run.checkpoint.dir = _relative(run.checkpoint.dir, path)
     if run.log.metrics:
         run.log.metrics = _relative(run.log.metrics, path)
+    if run.log.profile and os.path.exists(_relative(run.log.profile, path)):  # else a shipped profile's name
+        run.log.profile = _relative(run.log.profile, path)
     if run.data.grad_accumulation is None:
         run.data.grad_accumulation = run.config.grad_accumulation_steps
     _check(run)

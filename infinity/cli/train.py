@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import statistics
 import sys
 from typing import Any, Dict, Optional
 
@@ -168,8 +169,11 @@ def _step(optimizer) -> Optional[BaseException]:
 def _train(runf: RunFile, resume_dir: Optional[str]) -> int:
     ranks = start(runf.config.resolve_device())
     try:
+        predicted = _predict(runf, ranks)  # before the model is built and seeded: see predict_run
         model, optimizer, scheduler, sampler, loss_fn = _setup(runf, ranks)
         try:
+            if predicted is not None:
+                infinity.set_step_prediction(model, predicted)
             first = 0
             if resume_dir:
                 extra = infinity.load_checkpoint(resume_dir, model, optimizer, lr_scheduler=scheduler) or {}
@@ -183,6 +187,19 @@ def _train(runf: RunFile, resume_dir: Optional[str]) -> int:
             infinity.close(model)
     finally:
         ranks.close()
+
+
+def _predict(runf: RunFile, ranks: Ranks):
+    """The step predicted on ``log.profile`` before the run (None without
+    one), said on stderr by the lead rank; computed once, off the steps."""
+    if not runf.log.profile:
+        return None
+    from .estimate_time import predict_run
+    pred, why = predict_run(runf, ranks.world)
+    if ranks.lead:
+        print(f"infinity train: predicted step {pred.seconds:.3f} s on {runf.log.profile} (bound {pred.bound})"
+              if pred is not None else f"infinity train: no step prediction: {why}", file=sys.stderr)
+    return pred
 
 
 def _say_restored_hyper(runf: RunFile, optimizer, resume_dir: str) -> None:
@@ -249,7 +266,7 @@ def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn,
     finally:
         metrics.close()
     if recs and ranks.lead:
-        _summary(recs[0], recs[-1])
+        _summary(recs[0], recs[-1], metrics.step_times)
     if pressed and pressure is None:  # another rank ran short: this one stops with it
         print(f"infinity train: rank {ranks.rank}: stopping after step {step}: memory pressure on another rank",
               file=sys.stderr)
@@ -267,7 +284,15 @@ def _loop(runf: RunFile, model, optimizer, scheduler, sampler: Sampler, loss_fn,
     return 0
 
 
-def _summary(first: Dict[str, Any], last: Dict[str, Any]) -> None:
-    """One line on stderr: steps, loss first -> last, time, and each tier's peak against its budget."""
+def _summary(first: Dict[str, Any], last: Dict[str, Any], step_times) -> None:
+    """One line on stderr: steps, loss first -> last, time, and each tier's
+    peak against its budget; with a prediction, the measured step beside it."""
     print(f"infinity train: step {last['step']}, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
           f"{last['elapsed_s']:.1f} s; " + Metrics.postfix(last).split(" s/step ", 1)[-1], file=sys.stderr)
+    pred = last.get("predicted_s")
+    if pred and step_times:
+        # The first step pays for the trace's recording and warm caches: the median of the rest.
+        ts = step_times[1:] or step_times
+        med = statistics.median(ts)
+        print(f"infinity train: step time measured {med:.3f} s (median of {len(ts)}), predicted {pred:.3f} s "
+              f"({100 * (pred / med - 1):+.1f}%)", file=sys.stderr)

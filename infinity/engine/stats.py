@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 
 @dataclass
@@ -33,6 +33,8 @@ class Stats:
     spec_units_without_room: int = 0  # units that waited for step(): no host room for their undo state
     spec_replay_seconds: float = 0.0  # rollbacks and redone updates
     spec_off: str = ""               # why speculation is not available in this run ("" if it is, or not needed)
+    step_seconds: float = 0.0        # the last step: end of the previous step() (or initialize) to the end of this one
+    _window_t: Optional[float] = None
 
     def moved(self, link: str, nbytes: int) -> None:
         self.bytes_moved[link] = self.bytes_moved.get(link, 0) + nbytes
@@ -41,6 +43,10 @@ class Stats:
         self._step_start = dict(self.bytes_moved)
 
     def end_step_window(self) -> None:
+        now = time.perf_counter()
+        if self._window_t is not None:
+            self.step_seconds = now - self._window_t
+        self._window_t = now
         self.step_bytes_moved = {k: v - self._step_start.get(k, 0) for k, v in self.bytes_moved.items()}
         self._step_start = dict(self.bytes_moved)
 

@@ -11,7 +11,11 @@ measurements. Unless ``--profile FILE`` is given, a fresh profile is measured
 (``infinity doctor --profile``'s code, in the row's dtype) just before each
 row: on a machine shared with other jobs its speed drifts by tens of percent
 within minutes, and a profile measured then is the machine the row runs on.
-Nothing is fitted to the rows.
+Nothing is fitted to the rows. The runs and the profile use ``--threads``
+torch threads (default 1): with 2 on this shared 2-core machine an op's
+fixed cost measured 1.6-5 ms against 0.1 ms with 1 (torch's parallel
+regions wait for a descheduled worker), varying several-fold between runs
+a minute apart, which no profile taken beforehand can follow.
 
 Prints one row per configuration: predicted and measured seconds, the error
 (predicted / measured - 1), the predicted bound, and the median absolute
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -55,8 +60,37 @@ ROWS = [
     ("all nvme step", {"offload_params": "nvme", "offload_optimizer": "nvme"}, {}, 4),
     ("all nvme backward b1", {"offload_params": "nvme", "offload_optimizer": "nvme", "overlap": "backward"}, {}, 1),
     ("host step bf16 b2", {"dtype": "bf16"}, {"n_layer": 2, "n_embd": 128}, 2),
+    ("host step no-ckpt b8", {}, {}, 8),
+    ("host step accum 2", {"grad_accumulation_steps": 2}, {}, 4),
+    ("host backward accum 2", {"overlap": "backward", "grad_accumulation_steps": 2}, {}, 4),
+    ("HF Llama host step", {}, {"hf": True}, 4),
 ]
-CI_ROWS = (0, 3, 8)  # the rows tests/cli/test_estimate_time.py predicts (structure only)
+PROBE_SIZES = (128, 256, 512, 1024)  # the bench model's products are n ~ 200-700 (clamped beyond)
+CI_ROWS = (3, 8, 14)  # the rows tests/cli/test_estimate_time.py predicts (structure only)
+
+
+def make_model(gcfg, hf: bool):
+    """The row's model: the built-in GPT, or a Hugging Face Llama of the same
+    sizes (intermediate 688, grouped-query attention with 2 key/value heads)."""
+    if not hf:
+        from infinity.models import GPT
+        return GPT(gcfg)
+    import transformers
+    c = transformers.LlamaConfig(vocab_size=gcfg.vocab_size, hidden_size=gcfg.n_embd, intermediate_size=688,
+                                 num_hidden_layers=gcfg.n_layer, num_attention_heads=gcfg.n_head,
+                                 num_key_value_heads=2, max_position_embeddings=gcfg.block_size)
+    return transformers.LlamaForCausalLM(c).float()
+
+
+def loss_of(model, x, hf: bool):
+    """The row's loss of inputs ``x`` (next-token; on meta tensors a ready mask, as infinity estimate does)."""
+    if not hf:
+        return model(x, x)
+    if x.device.type == "meta":
+        b, n = x.shape
+        mask = torch.zeros(1, 1, 1, 1, device="meta").expand(b, 1, n, n)
+        return model(input_ids=x, attention_mask=mask, labels=x).loss
+    return model(input_ids=x, labels=x).loss
 
 
 def row_config(i: int):
@@ -64,49 +98,118 @@ def row_config(i: int):
     import infinity
     from infinity.models import GPTConfig
     label, cfg, mdl, batch = ROWS[i]
-    gcfg = GPTConfig(**{**MODEL, **mdl})
+    gcfg = GPTConfig(**{**MODEL, **{k: v for k, v in mdl.items() if k != "hf"}})
     fields = {**BASE, **cfg}
     minimum = fields.pop("device_memory", None) == "min"
     config = infinity.Config(**fields)
     if minimum:
         from infinity.cli.estimate import estimate
-        from infinity.models import GPT
         with torch.device("meta"):
-            m = GPT(gcfg)
+            m = make_model(gcfg, ROWS[i][2].get("hf", False))
         config = dataclasses.replace(config, device_memory=estimate(m, config)["device"]["minimum"])
     return config, gcfg, batch
 
 
 def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
-    """Trains row ``i`` and returns its median step seconds and bytes moved per step."""
+    """Trains row ``i``: its median step seconds, the median forward,
+    backward and step() seconds, the optimizer's seconds a step, and the
+    bytes moved per step."""
     import infinity
-    from infinity.models import GPT
+    from infinity.cli.profile_measure import compute_speeds
     config, gcfg, batch = row_config(i)
+    hf, accum = ROWS[i][2].get("hf", False), config.grad_accumulation_steps
     torch.manual_seed(0)
-    model, opt = infinity.initialize(GPT(gcfg), config, lr=1e-4)
+    model, opt = infinity.initialize(make_model(gcfg, hf), config, lr=1e-4)
     x = torch.randint(0, gcfg.vocab_size, (batch, gcfg.block_size))
-    ts = []
+    ts, parts, opt_s, probes = [], [], [], []
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[config.torch_dtype]
     for s in range(warmup + steps):
+        if s >= warmup:  # the machine's compute speed now, between the steps it is compared with
+            probes.append(compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES))
         t0 = time.perf_counter()
-        loss = model(x, x)
-        loss.backward()
+        o0 = infinity.stats(model)["optimizer_seconds"]
+        fb = [0.0, 0.0]
+        for _ in range(accum):
+            t1 = time.perf_counter()
+            loss = loss_of(model, x, hf)
+            t2 = time.perf_counter()
+            loss.backward()
+            fb = [fb[0] + t2 - t1, fb[1] + time.perf_counter() - t2]
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        ts.append(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        ts.append(t3 - t0)
+        parts.append((fb[0], fb[1], t3 - t2))
+        opt_s.append(infinity.stats(model)["optimizer_seconds"] - o0)
+    probes.append(compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES))
     st = infinity.stats(model)
     infinity.close(model)
-    return {"seconds": statistics.median(ts[warmup:]), "all": ts[warmup:], "bytes": st["step_bytes_moved"]}
+    med = lambda xs: statistics.median(xs[warmup:])  # noqa: E731
+    return {"seconds": med(ts), "all": ts[warmup:], "bytes": st["step_bytes_moved"],
+            "forward": med([p[0] for p in parts]), "backward": med([p[1] for p in parts]),
+            "step": med([p[2] for p in parts]), "optimizer": med(opt_s), "probes": probes}
 
 
 def predict_row(i: int, profile):
     """The model's prediction of row ``i`` (a StepPrediction)."""
     from infinity.cli.estimate_time import predict
-    from infinity.models import GPT
     config, gcfg, batch = row_config(i)
+    hf = ROWS[i][2].get("hf", False)
     with torch.device("meta"):
-        model = GPT(gcfg)
+        model = make_model(gcfg, hf)
     x = torch.zeros(batch, gcfg.block_size, dtype=torch.long, device="meta")
-    return predict(model, config, lambda m: m(x, x), profile)
+    return predict(model, config, lambda m: loss_of(m, x, hf), profile)
+
+
+def same_time_profile(profile, probes: list):
+    """``profile`` with its compute figures (GEMM rates, memory bandwidth,
+    per-op cost) replaced by the medians of the probes the run measured
+    between its steps: on a shared machine the speed drifts by 2x within a
+    minute, so the speed the step is compared with is the one measured with it."""
+    med = statistics.median
+    gemm = {}
+    for dt in probes[0]["gemm_flops"]:
+        sizes = sorted({n for p in probes for n, _ in p["gemm_flops"][dt]})
+        gemm[dt] = [[n, med([r for p in probes for m, r in p["gemm_flops"][dt] if m == n])] for n in sizes]
+    return dataclasses.replace(profile, gemm_flops=gemm, mem_bw=med([p["mem_bw"] for p in probes]),
+                               op_overhead_s=med([p["op_overhead_s"] for p in probes]))
+
+
+def phases(pr, got: dict) -> str:
+    """Predicted against measured seconds of each phase: forward and backward
+    (predicted: the compute tasks' spans, no waits; measured: wall time),
+    step() (after the last backward), and the optimizer's busy time."""
+    tasks = pr.sim.tasks
+    span = lambda kind: sum(t.end - t.start for t in tasks if t.name.startswith(kind))  # noqa: E731
+    bwd_end = max((t.end for t in tasks if t.resource == "compute"), default=0.0)
+    pred = {"forward": span("forward "), "backward": span("backward "), "step": pr.seconds - bwd_end,
+            "optimizer": pr.busy.get("optimizer", 0.0)}
+    return "  ".join(f"{k} {pred[k]:.3f}/{got[k]:.3f}" for k in pred) + "  (s, predicted/measured)"
+
+
+def one_row(i: int, profile, steps: int, threads: int):
+    """Measures row ``i`` in a child, predicts it from ``profile`` with the
+    compute speeds measured between its steps, prints both; the row's record."""
+    load0 = os.getloadavg()[0]
+    got, proc = run_json_child(__file__, ["--child", str(i), "--steps", str(steps), "--threads", str(threads)])
+    if got is None:
+        print(f"{i:2} {ROWS[i][0]:26} FAILED: {proc.stderr[-400:]}")
+        return None
+    prof = same_time_profile(profile, got["probes"])
+    pr = predict_row(i, prof)
+    err = pr.seconds / got["seconds"] - 1
+    g512 = prof.gemm_rate(row_config(i)[0].dtype, 2 * 512 ** 3) / 1e9
+    load = (load0, os.getloadavg()[0])
+    print(f"{i:2} {ROWS[i][0]:26}{pr.seconds:10.3f}{got['seconds']:10.3f}{100 * err:7.1f}%  {pr.bound:10} "
+          f"{pr.bytes['h2d'] / 1e6:7.1f}/{got['bytes'].get('h2d', 0) / 1e6:<7.1f}   {g512:.1f}, "
+          f"{prof.op_overhead_s * 1e6:.0f}; {load[0]:.1f}-{load[1]:.1f}", flush=True)
+    print("   " + phases(pr, got), flush=True)
+    return {"row": i, "label": ROWS[i][0], "predicted": pr.seconds, "measured": got["seconds"],
+            "steps": got["all"], "error": err, "bound": pr.bound, "exposed": pr.exposed, "busy": pr.busy,
+            "bytes_predicted": pr.bytes, "bytes_measured": got["bytes"], "load_average": load,
+            "phases_measured": {k: got[k] for k in ("forward", "backward", "step", "optimizer")},
+            "profile": dataclasses.asdict(prof)}
 
 
 def main() -> int:
@@ -115,8 +218,11 @@ def main() -> int:
     ap.add_argument("--rows", help="comma-separated row indexes (default: all)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the runs and the profile (default 1: see the module docstring)")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     if a.child is not None:
         print(json.dumps(measure_row(a.child, a.steps)))
         return 0
@@ -127,24 +233,13 @@ def main() -> int:
     rows = [int(r) for r in a.rows.split(",")] if a.rows else range(len(ROWS))
     out = []
     print(f"{'#':>2} {'configuration':26}{'predicted':>10}{'measured':>10}{'error':>8}  bound      h2d MB pred/meas"
-          "   profile: GEMM@512 GFLOP/s, op us, measured in s")
+          "   GEMM@512 GFLOP/s, op us (probes, median); load avg")
     for i in rows:
         if a.profile is None:
             profile = measure_profile(torch.device("cpu"), row_config(i)[0].dtype, [SWAP], disk_bytes=128 << 20)
-        pr = predict_row(i, profile)
-        got, proc = run_json_child(__file__, ["--child", str(i), "--steps", str(a.steps)])
-        if got is None:
-            print(f"{i:2} {ROWS[i][0]:26} FAILED: {proc.stderr[-400:]}")
-            continue
-        err = pr.seconds / got["seconds"] - 1
-        out.append({"row": i, "label": ROWS[i][0], "predicted": pr.seconds, "measured": got["seconds"],
-                    "steps": got["all"], "error": err, "bound": pr.bound, "exposed": pr.exposed,
-                    "bytes_predicted": pr.bytes, "bytes_measured": got["bytes"],
-                    "profile": dataclasses.asdict(profile)})
-        g512 = profile.gemm_rate(row_config(i)[0].dtype, 2 * 512 ** 3) / 1e9
-        print(f"{i:2} {ROWS[i][0]:26}{pr.seconds:10.3f}{got['seconds']:10.3f}{100 * err:7.1f}%  {pr.bound:10} "
-              f"{pr.bytes['h2d'] / 1e6:7.1f}/{got['bytes'].get('h2d', 0) / 1e6:<7.1f}   {g512:.1f}, "
-              f"{profile.op_overhead_s * 1e6:.0f}, {profile.extra.get('seconds_to_measure', 0)}", flush=True)
+        r = one_row(i, profile, a.steps, a.threads)
+        if r is not None:
+            out.append(r)
     if out:
         errs = [abs(r["error"]) for r in out]
         print(f"\nmedian |error| {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%, "

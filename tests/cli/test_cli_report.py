@@ -37,3 +37,26 @@ def test_report_errors(tmp_path, monkeypatch, capsys):
     assert cli("report", bad, "-o", tmp_path / "r.png") == 1
     assert "pip install matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "r.png").exists()
+
+
+def test_report_plots_the_predicted_step_beside_the_measured(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from infinity.cli import report
+    p = run_file(tmp_path, steps=3)
+    p.write_text(p.read_text().replace("[log]\n", '[log]\nprofile = "rtx4090-pcie4-nvme"\n'))
+    assert cli("train", p) == 0
+    drawn = []
+    real = report._pyplot
+
+    def spy():
+        plt = real()
+        orig = plt.Axes.plot
+
+        def plot(ax, *a, **kw):
+            drawn.append(kw.get("label"))
+            return orig(ax, *a, **kw)
+        monkeypatch.setattr(plt.Axes, "plot", plot)
+        return plt
+    monkeypatch.setattr(report, "_pyplot", spy)
+    assert cli("report", tmp_path / "out" / "metrics.jsonl", "-o", tmp_path / "r.png") == 0
+    assert "step, measured" in drawn and "step, predicted" in drawn

@@ -226,3 +226,30 @@ def test_resume_says_which_run_file_values_the_checkpoint_overrides(tmp_path, ca
     p.write_text(p.read_text().replace("steps = 3", "steps = 4").replace("lr = 1e-3", "lr = 3e-3"))
     assert cli("train", p, "--resume") == 0
     assert "restored" not in capsys.readouterr().err  # the same values: nothing to say
+
+
+def test_log_profile_predicts_the_step_beside_the_measured_one(tmp_path, capsys):
+    """With ``log.profile`` the step is predicted once before the run; the
+    metrics, stats() and the summary carry it beside the measured step, and
+    the run's losses are those of the same run without it (the prediction's
+    meta model leaves the seeding alone)."""
+    from infinity.engine.plan.profile import load_profile
+    prof = load_profile("rtx4090-pcie4-nvme")
+    prof.device = "cpu"
+    (tmp_path / "prof.json").write_text(prof.to_json())
+    p = run_file(tmp_path, steps=3)
+    assert cli("train", p) == 0
+    plain = _metrics(tmp_path)
+    (tmp_path / "out" / "metrics.jsonl").unlink()
+    capsys.readouterr()
+    p.write_text(p.read_text().replace("[log]\n", '[log]\nprofile = "prof.json"\n'))
+    assert cli("train", p) == 0
+    rows, err = _metrics(tmp_path), capsys.readouterr().err
+    assert [r["loss"] for r in rows] == [r["loss"] for r in plain]
+    pred = rows[0]["predicted_s"]
+    assert pred > 0 and all(r["predicted_s"] == pred for r in rows) and all(r["step_s"] > 0 for r in rows)
+    assert f"infinity train: predicted step {pred:.3f} s on {tmp_path / 'prof.json'} (bound " in err
+    assert f"predicted {pred:.3f} s (" in err and "infinity train: step time measured " in err
+    p.write_text(p.read_text().replace('profile = "prof.json"', 'profile = "none.json"'))
+    assert cli("train", p) == 2
+    assert "log.profile: profile 'none.json': no such file" in capsys.readouterr().err

@@ -47,7 +47,8 @@ def measured_bytes(cfg) -> dict:
     model, opt = infinity.initialize(GPT(GCFG), cfg, lr=1e-3)
     x = torch.randint(0, GCFG.vocab_size, (2, GCFG.block_size))
     for _ in range(3):
-        model(x, x).backward()
+        for _ in range(cfg.grad_accumulation_steps):
+            model(x, x).backward()
         opt.step()
         opt.zero_grad()
     moved = dict(infinity.stats(model)["step_bytes_moved"])
@@ -56,8 +57,9 @@ def measured_bytes(cfg) -> dict:
 
 
 @pytest.mark.parametrize("kw", [{}, {"prefetch_depth": 0, "device_memory": "min"},
-                                {"offload_optimizer": "nvme", "overlap": "backward"}],
-                         ids=["resident", "min-budget-depth0", "nvme-backward"])
+                                {"offload_optimizer": "nvme", "overlap": "backward"},
+                                {"grad_accumulation_steps": 2, "prefetch_depth": 0, "device_memory": "min"}],
+                         ids=["resident", "min-budget-depth0", "nvme-backward", "accumulation-min-budget"])
 def test_bytes_per_link_are_the_engines(tmp_path, kw):
     kw = dict(kw)
     cfg = config(tmp_path)
@@ -126,10 +128,24 @@ def test_checkpointing_adds_the_recompute():
 
 
 def test_ci_rows_of_the_bench_predict(tmp_path):
+    """Three rows of scripts/bench/bench_predict.py (the minimum budget at depth
+    0, NVMe optimizer state, gradient accumulation): the prediction's
+    structure and bytes, from the placement's own arithmetic."""
     prof = profile()
-    for i in bench_predict.CI_ROWS:
-        pr = bench_predict.predict_row(i, prof)
-        assert pr.seconds > 0 and pr.bound in pr.exposed
+    got = {i: bench_predict.predict_row(i, prof) for i in bench_predict.CI_ROWS}
+    for i, pr in got.items():
+        config, gcfg, _ = bench_predict.row_config(i)
+        assert pr.bound == max(pr.exposed, key=pr.exposed.get)
+        assert sum(pr.exposed.values()) == pytest.approx(pr.seconds) and pr.seconds >= max(pr.busy.values())
+        n = sum(t.name.startswith("backward ") for t in pr.sim.tasks)
+        assert n == (gcfg.n_layer + 1) * config.grad_accumulation_steps  # the blocks and the root, each pass
+    d0, nvme, accum = (got[i] for i in bench_predict.CI_ROWS)
+    assert d0.bytes["h2d"] > accum.bytes["h2d"]  # the minimum budget fetches units twice a pass
+    assert accum.bytes["d2h"] == 2 * nvme.bytes["d2h"]  # each backward's gradients go to the host
+    # NVMe state, overlap step: fp32 master and moments read and written, the gradients spilled and read back.
+    grads = nvme.bytes["d2h"]
+    assert nvme.bytes["nvme_read"] - grads == nvme.bytes["nvme_write"] - grads > 0
+    assert accum.bytes["nvme_read"] == accum.bytes["nvme_write"] == 0
 
 
 def test_variants_and_cli_section(tmp_path):
@@ -193,3 +209,10 @@ def test_what_if_names_the_second_swap_path(tmp_path):
     lines = what_if(m, cfg, fwd, profile(disk_read_bw=1e6, disk_write_bw=1e6), costs)
     assert any(x.startswith("a second swap path of the same speed would cut the step") for x in lines)
     assert what_if(m, cfg, fwd, profile(disk_read_bw=1e12, disk_write_bw=1e12), costs) == []
+
+
+def test_unit_overhead_measures_in_a_low_precision_dtype():
+    """The engine's time per unit is measured with an fp32 model handed to
+    initialize (the engine casts the compute copy), whatever the run's dtype."""
+    from infinity.cli.profile_measure import unit_overhead
+    assert unit_overhead(torch.device("cpu"), "bf16", reps=1) >= 0.0

@@ -29,6 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .metacache import MetaCache
+
 __all__ = ["activation_bytes", "checkpointing_state"]
 
 
@@ -105,7 +107,8 @@ def _saved(model: nn.Module, run, unit_modules):
 
     handles = [h for m in unit_modules for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode():
+        # The cache answers repeated ops' shapes ([Note: a meta pass from a cache] in metacache.py).
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode(), MetaCache():
             run(model)
     finally:
         for h in handles:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from .metacache import MetaCache
 
 __all__ = ["OpCost", "PassCosts", "count_pass", "ROOT_TAIL"]
 
@@ -58,23 +59,38 @@ def _nbytes(x) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
 
-class _Counter(TorchDispatchMode):
+class _Counter(MetaCache):
+    """Records each op's cost under the running unit; ops are answered from
+    the cache when seen before ([Note: a meta pass from a cache] in metacache.py)."""
+
     def __init__(self, costs: PassCosts):
         super().__init__()
         self.costs, self.unit, self.phase = costs, 0, "forward"
+        self.op_costs: Dict[object, Optional[OpCost]] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func._schema.name.startswith("aten::") and not func.is_view:
-            fl = 0
-            f = flop_registry.get(func._overloadpacket)
-            if f is not None:
-                fl = int(f(*args, **kwargs, out_val=out))
-            nb = sum(_nbytes(a) for a in tree_flatten((args, kwargs))[0]) + sum(_nbytes(o) for o in tree_flatten(out)[0])
-            if fl or nb:
-                getattr(self.costs, self.phase).setdefault(self.unit, []).append(OpCost(fl, nb))
-        return out
+    def seen(self, func, args, kwargs, out, key) -> None:
+        cost = self.op_costs.get(key, _MISSING) if key is not None else _MISSING
+        if cost is _MISSING:
+            cost = _op_cost(func, args, kwargs, out)
+            if key is not None:
+                self.op_costs[key] = cost
+        if cost is not None:
+            getattr(self.costs, self.phase).setdefault(self.unit, []).append(cost)
+
+
+_MISSING = object()
+
+
+def _op_cost(func, args, kwargs, out) -> Optional[OpCost]:
+    """The op's FLOPs and bytes moved; None for views and ops costing nothing."""
+    if not func._schema.name.startswith("aten::") or func.is_view:
+        return None
+    fl = 0
+    f = flop_registry.get(func._overloadpacket)
+    if f is not None:
+        fl = int(f(*args, **kwargs, out_val=out))
+    nb = sum(_nbytes(a) for a in tree_flatten((args, kwargs))[0]) + sum(_nbytes(o) for o in tree_flatten(out)[0])
+    return OpCost(fl, nb) if fl or nb else None
 
 
 def count_pass(model: nn.Module, run: Callable[[nn.Module], torch.Tensor], unit_modules: Dict[int, List[nn.Module]],

@@ -46,7 +46,7 @@ from .units import build_units
 from .limits import STAGING_PER_PATH
 from .activations import activation_bytes
 
-__all__ = ["estimate_peaks", "activation_bytes", "placed", "compute_device", "RUNTIME_BYTES"]
+__all__ = ["estimate_peaks", "measure_activations", "activation_bytes", "placed", "compute_device", "RUNTIME_BYTES"]
 
 RUNTIME_BYTES = 48 << 20    # measured: RSS a step adds beyond the parts counted here (docs/cli.md)
 RECOMPUTE_UNITS = 3         # blocks' worth of activations a checkpointed block's backward holds (measured)
@@ -105,15 +105,31 @@ def _host_peak(places, modes: Modes, config: Config) -> Dict[str, int]:
             "minimum": h.minimum, "capacity": h.capacity, "budget": budget, "nvme_bytes": h.nvme_bytes}
 
 
+def measure_activations(model: nn.Module, units, run: Optional[Callable[[nn.Module], torch.Tensor]]) -> Dict:
+    """activation_bytes of ``run(model)`` over the paging ``units``' modules
+    (zeros when ``run`` is None; an ``error`` entry when the forward does not
+    run on meta tensors)."""
+    act = {"saved": 0, "unit": 0, "checkpointing": 0, "saved_other": -1}
+    if run is not None:
+        try:
+            act = activation_bytes(model, run, [m for u in units[1:] for m in u.modules])
+        except Exception as e:  # noqa: BLE001 - said in the result, not silently zero
+            act["error"] = f"the forward does not run on meta tensors ({type(e).__name__}: {e})"
+    return act
+
+
 def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.Module], torch.Tensor]] = None,
-                   *, world: int = 1, lazy: bool = False, baseline_rss: Optional[int] = None) -> Dict[str, Dict]:
+                   *, world: int = 1, lazy: bool = False, baseline_rss: Optional[int] = None,
+                   activations: Optional[Dict] = None) -> Dict[str, Dict]:
     """Peak bytes per tier for ``model`` (build it on the meta device) under
     ``config`` on each of ``world`` ranks, split into parts; see the module
     docstring. ``run(model)`` is one forward returning the loss on meta inputs
     of the run's micro-batch (None: activations not counted). ``lazy``: the
     model is built under ``infinity.init`` (its fp32 tensors never exist at
     once). ``baseline_rss``: the process's RSS before the model is built
-    (default: this process's now)."""
+    (default: this process's now). ``activations``: :func:`measure_activations`'s
+    result for this model and ``run`` when measured already (the placement
+    does not change it), else it is measured."""
     units, modes, places = placed(model, config, world)
     largest_grad = max((nbytes(p.numel(), modes.dtype) for p in model.parameters() if p.requires_grad), default=0)
     dev = _device_peak(places, modes, config.device_memory, largest_grad)
@@ -121,12 +137,7 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
     nvme = {"peak": host["nvme_bytes"] if modes.nvme_used else 0,
             "capacity": nvme_capacity(host_need(places, modes), len(units), len(config.swap_paths))
             if modes.nvme_used else 0}
-    act = {"saved": 0, "unit": 0, "checkpointing": 0, "saved_other": -1}
-    if run is not None:
-        try:
-            act = activation_bytes(model, run, [m for u in units[1:] for m in u.modules])
-        except Exception as e:  # noqa: BLE001 - said in the result, not silently zero
-            act["error"] = f"the forward does not run on meta tensors ({type(e).__name__}: {e})"
+    act = dict(activations) if activations is not None else measure_activations(model, units, run)
     # Without checkpointing the backward frees each block's saved tensors as it
     # makes their gradients: the peak is what was saved plus the gradients of
     # the last block's activations, one block's worth (measured: a Llama at

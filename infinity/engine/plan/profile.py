@@ -38,6 +38,9 @@ class Profile:
     adamw_params_per_s: Dict[str, float]          # gradient dtype -> parameters/s of the native AdamW
     disk_read_bw: float                           # all swap paths together, bytes/s (O_DIRECT)
     disk_write_bw: float
+    # The engine's own time per unit and pass (its hooks, fetch bookkeeping, handing work to its threads), s;
+    # measured beside plain PyTorch (infinity doctor --profile); 0 in a hand-written profile that lacks it.
+    unit_overhead_s: float = 0.0
     slow: Dict[str, float] = field(default_factory=dict)
     extra: Dict[str, object] = field(default_factory=dict)  # measured figures kept for the record
 
@@ -46,6 +49,10 @@ class Profile:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"profile {self.name!r}: {k}={v!r} must be a positive number (bytes/s)")
+        for k in ("op_overhead_s", "unit_overhead_s"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"profile {self.name!r}: {k}={v!r} must be a number >= 0 (seconds)")
         if not self.gemm_flops:
             raise ValueError(f"profile {self.name!r}: gemm_flops is empty; give [[size, FLOP/s], ...] per dtype")
         for key in self.slow:

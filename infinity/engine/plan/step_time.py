@@ -3,7 +3,9 @@ schedule laid out as tasks on resources (simulate.py), priced by a hardware
 profile (profile.py), from the meta forward's op costs (costs.py).
 
 [Note: the step as tasks]
-One steady-state step of one micro-batch, as the engine runs it:
+One steady-state step, as the engine runs it (``grad_accumulation_steps``
+forward and backward passes, each like the first; the optimizer's work
+follows the last backward):
 
 - the head of the trace was prefetched at the end of the last ``step()``
   ([Note: the trace wraps around the step] in residency.py): those copies
@@ -29,10 +31,13 @@ One steady-state step of one micro-batch, as the engine runs it:
 - NVMe parameters: when the host cache cannot hold every compute copy, each
   fetch reads the copy from disk first and each updated copy is written back.
 
+Each unit's forward and backward also pays the profile's ``unit_overhead_s``
+(the engine's hooks and bookkeeping, measured beside plain PyTorch).
+
 Left out: ZeRO collectives (world > 1 is refused), activation memory and the
-allocator, the data loader, the Python time of the hooks beyond the
-profile's per-op overhead, checksums, host-pool back-pressure other than the
-update queue's, and gradient accumulation over several micro-batches.
+allocator, the data loader, checksums, host-pool back-pressure other than the
+update queue's, and (with gradient accumulation) the reading back of
+gradients spilled to NVMe between backward passes.
 """
 
 from __future__ import annotations
@@ -139,6 +144,7 @@ class _Builder:
         early = config.max_grad_norm is None and modes.dtype != torch.float16
         self.overlap = "step" if config.overlap == "backward" and not early else config.overlap
         self.params_from_disk = modes.params_nvme and not self._cache_holds_all()
+        self.accum, self.last_backward = config.grad_accumulation_steps, True
 
     def _cache_holds_all(self) -> bool:
         h = host_need(self.places, self.m)
@@ -181,23 +187,29 @@ class _Builder:
         trace = fwd + bwd
         self.updates: Dict[int, int] = {}
         pre = self._delayed_updates() if m.delayed else []
-        compute_end = self._pass(trace, len(fwd))
+        compute_end = None
+        for mb in range(self.accum):  # each backward's gradients go to the host; the updates follow the last
+            self.last_backward = mb == self.accum - 1
+            compute_end = self._pass(trace, len(fwd), compute_end)
         self._optimizer(compute_end)
         if pre:
             self.sim.add("step() waits", "optimizer", 0.0, "optimizer", pre)
 
-    def _pass(self, trace: List[int], n_fwd: int) -> Optional[int]:
-        """Forward and backward over ``trace``; returns the last compute task."""
+    def _pass(self, trace: List[int], n_fwd: int, start: Optional[int]) -> Optional[int]:
+        """Forward and backward over ``trace`` after task ``start`` (the last
+        micro-batch's backward, or None); returns the last compute task."""
         m, p = self.m, self.places
-        sizes = [pl.compute_bytes for pl in p]
-        arena = _Arena(sizes, self.room, trace)
         on_device = m.params_on_device
-        if not on_device:
-            # The root stays resident for the pass; the head of the trace came up at the last step's end.
-            arena.resident[0] = 1
-            self._h2d(0, None)
-            self._prefetch(arena, trace, -1, None)
-        prev = None
+        if start is None:  # the step's first pass: every compute copy was refreshed by the last update
+            self.arena = _Arena([pl.compute_bytes for pl in p], self.room, trace)
+            if not on_device:
+                # The root stays resident for the pass; the head of the trace came up at the last step's end.
+                self.arena.resident[0] = 1
+                self._h2d(0, None)
+        arena = self.arena
+        if not on_device:  # a later pass finds the units the last one left resident
+            self._prefetch(arena, trace, -1, start)
+        prev = start
         self.grad_out: Dict[int, int] = {}
         for pos, i in enumerate(trace):
             backward = pos >= n_fwd
@@ -209,9 +221,9 @@ class _Builder:
                 self._prefetch(arena, trace, pos, prev)
             phase = "backward" if backward else "forward"
             deps = [prev, self.fetch.get(i)]
-            if backward and m.opt_nvme and self.overlap == "backward":
+            if backward and m.opt_nvme and self.overlap == "backward" and self.last_backward:
                 deps += self._queue_bound(i)
-            secs = unit_seconds(self.costs, phase, i, self.prof, self.dt)
+            secs = unit_seconds(self.costs, phase, i, self.prof, self.dt) + self.prof.unit_overhead_s
             if backward and i == 0:
                 secs += unit_seconds(self.costs, "backward", ROOT_TAIL, self.prof, self.dt)
             prev = self.sim.add(f"{phase} {i}", "compute", secs, COMPUTE, deps)
@@ -245,7 +257,8 @@ class _Builder:
         """Backward mode: the unit's update queued now; step mode with NVMe state: its gradients spilled."""
         m, p = self.m, self.places
         if self.overlap == "backward":
-            self._update(i, [self.grad_out[i]])
+            if self.last_backward:
+                self._update(i, [self.grad_out[i]])
         elif m.opt_nvme and self.overlap == "step":
             self._disk(f"spill grads {i}", True, nbytes(p[i].trainable_numel, m.grad_dtype),
                        [self.grad_out[i]])
