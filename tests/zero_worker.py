@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import infinity  # noqa: E402
-from engine_utils import batches, small_gpt, unit_bytes  # noqa: E402
+from engine_utils import batches, small_gpt, unequal_net, unit_bytes  # noqa: E402
 
 
 def _emulated(on: bool):
@@ -19,6 +19,28 @@ def _emulated(on: bool):
         return contextlib.nullcontext()
     from cuda_emulator import emulated_cuda_ordering
     return emulated_cuda_ordering()
+
+
+@contextlib.contextmanager
+def _reduce_on(where):
+    """``where="host"``: engines built inside reduce gradients on the host
+    even where placement.py would reduce them on the device (the reference
+    of the device path's parity tests); None: as placement.py decides."""
+    from infinity.engine.plan import placement
+    real = placement.host_reduction_reason
+    if where == "host":
+        placement.host_reduction_reason = lambda *a: "forced by the test"
+    try:
+        yield
+    finally:
+        placement.host_reduction_reason = real
+
+
+def _model(case: dict):
+    """small_gpt, or with ``case["model"] == "unequal"`` a stack of MLP units of unequal sizes."""
+    if case.get("model") == "unequal":
+        return unequal_net()
+    return small_gpt(n_layer=case.get("layers", 8))
 
 
 def _init(rank: int, world: int, rdzv: str, **kw) -> None:
@@ -51,9 +73,8 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                                   offload_optimizer=case.get("opt", "host"),
                                   swap_paths=[os.path.join(out_dir, f"swap{ci}")],
                                   max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1))
-            with _emulated(case.get("emulate", False)) as movers:  # the CUDA-ordering emulator (issue 36)
-                model, opt = infinity.initialize(small_gpt(n_layer=case.get("layers", 8)), cfg, lr=1e-3,
-                                                 weight_decay=0.1, process_group=group)
+            with _emulated(case.get("emulate", False)) as movers, _reduce_on(case.get("reduce")):
+                model, opt = infinity.initialize(_model(case), cfg, lr=1e-3, weight_decay=0.1, process_group=group)
             accum, steps = case.get("accum", 1), case["steps"]
             data = batches(steps * accum, seed=0, b=2 * gworld)
             losses, norms = [], []

@@ -5,7 +5,8 @@ by an update, released.
 Owns ``unit.grads`` (a :class:`GradRecord`); nothing else writes it. See
 [Note: gradients in the compute dtype] in placement.py, [Note: a gradient's way to
 the host] in mover.py and [Note: gradient states] in state.py; the device side of the way out is in
-grad_buckets.py ([Note: gradients leave the device in buckets]).
+grad_buckets.py ([Note: gradients leave the device in buckets]), and where gradients are reduced on
+the device, in grad_device.py ([Note: a unit's gradients on the device]).
 
 [Note: a backward after step() without zero_grad()]
 torch adds such a backward's gradients to the last step's. That is harmless
@@ -39,7 +40,9 @@ from ..mechanism.nvme import key as swap_key
 from ..plan.state import GradHome, GradState, transition
 from ..plan.units import Layout
 from ..plan.limits import GRAD_BUCKET_BYTES, MAX_REDUCING  # See [Note: limits that must agree]
+from ..plan.placement import device_reduce_bytes
 from .grad_buckets import Bucket, bucket_elems, land, make_buckets, open_stage, runs_of
+from .grad_device import DeviceGrad, drop_full, issue_reduction, land_slot, open_full, zero_missing
 
 __all__ = ["GradRecord", "Gradients"]
 
@@ -61,6 +64,7 @@ class GradRecord:
     reduced: bool = False                     # ZeRO: the reduction of this step was issued
     buckets: List[Bucket] = field(default_factory=list)  # device staging (grad_buckets.py)
     bucket_of: List[int] = field(default_factory=list)   # per trainable slot: its bucket, -1 for none
+    device: DeviceGrad = field(default_factory=DeviceGrad)  # the device path (grad_device.py)
 
 
 class Gradients:
@@ -82,7 +86,8 @@ class Gradients:
         # copies, so each size class's holes fit its own later requests.
         self._with_copies = modes.grad_dtype != torch.float32
         # See [Note: gradients leave the device in buckets] in grad_buckets.py.
-        self.batched = bool(getattr(mover, "batches_grads", False)) and modes.host_optimizer
+        self.batched = bool(getattr(mover, "batches_grads", False)) and modes.host_optimizer \
+            and not modes.reduce_on_device  # whole units gather on the device instead
         reserve = device_tier.transient_reserve if device_tier is not None else 0
         self._bucket_elems = bucket_elems(reserve, GRAD_BUCKET_BYTES, modes.dtype.itemsize)
         self.drop_buffers()
@@ -152,13 +157,19 @@ class Gradients:
             self.stale = True  # See [Note: a backward after step() without zero_grad()]
         p.grad = None
         rec, s = u.grads, u.layout.trainable_slots[ti]
-        if rec.grad is None:  # a transient buffer until the update (NVMe state, ZeRO 2-3)
-            self.acquire(u)
-        dst = rec.grad[s.offset:s.offset + s.numel]
         accumulate = rec.written[ti]
         rec.written[ti] = rec.had[ti] = True
         if rec.state is GradState.CLEAN:
             rec.state = transition(u.name, "grad", rec.state, GradState.ACCUMULATING)
+        if self.modes.reduce_on_device:  # See [Note: a unit's gradients on the device] in grad_device.py
+            if rec.device.full is None:
+                self._open_device(u)
+            land_slot(rec.device, u.layout, ti, g, accumulate)
+            rec.pending -= 1
+            return rec.pending == 0
+        if rec.grad is None:  # a transient buffer until the update (NVMe state, ZeRO 2-3)
+            self.acquire(u)
+        dst = rec.grad[s.offset:s.offset + s.numel]
         if self.modes.host_optimizer:
             b = rec.bucket_of[ti] if rec.bucket_of else -1
             if b >= 0:
@@ -177,6 +188,13 @@ class Gradients:
             dst.copy_(g.reshape(-1))
         rec.pending -= 1
         return rec.pending == 0
+
+    def _open_device(self, u) -> None:
+        """``u``'s flat device gradient, counted as transient device bytes."""
+        nb = device_reduce_bytes(u.place.trainable_numel, self.modes)
+        self._bound_transient(nb)
+        self.device_tier.add_transient(nb)
+        open_full(u.grads.device, u.layout, u.place.trainable_numel, self.modes.grad_dtype, self.modes.device, nb)
 
     def _stage(self, u, b: Bucket, ti: int, g: torch.Tensor, accumulate: bool) -> None:
         """``g`` into ``b``'s staging buffer; ``b`` to the host once full."""
@@ -360,6 +378,33 @@ class Gradients:
         unit's tickets: whatever reads or frees the gradients waits for it;
         stages 2-3 free the full buffer once it is done."""
         rec = u.grads
+        if self.modes.reduce_on_device:
+            t = self._reduce_on_device(u)
+        else:
+            t = self._reduce_on_host(u)
+        rec.tickets.append(t)
+        rec.reduced = True
+        if self.modes.zero >= 2:
+            self._reducing.append(u)
+            while len(self._reducing) > MAX_REDUCING:
+                self._release_reduced(self._reducing.pop(0))
+
+    def _reduce_on_device(self, u):
+        """See [Note: a unit's gradients on the device] in grad_device.py: the
+        reduction's ticket; its device bytes count until the shard is on the host."""
+        rec = u.grads
+        if rec.device.full is None:  # no gradient on this rank: contribute zeros
+            self._open_device(u)
+        zero_missing(rec.device, u.layout, rec.written)
+        nb = rec.device.nbytes
+        t = issue_reduction(rec.device, self.sharding, rec.shard, self.mover)
+        self.stats.moved("d2h", rec.shard.numel() * rec.shard.element_size())
+        self._outstanding.append((t, nb))
+        return t
+
+    def _reduce_on_host(self, u):
+        """The host buffers reduced over the host group; the ticket."""
+        rec = u.grads
         self.wait(u)
         if rec.grad is None:
             # Spilled to NVMe (read back), or no gradient on this rank (contribute zeros).
@@ -368,15 +413,8 @@ class Gradients:
             if not spilled:
                 rec.grad.zero_()
         if not self.modes.zero:  # plain data parallelism: every rank keeps the sum
-            t = self.sharding.all_reduce_(rec.grad, async_op=True)
-        else:
-            t = self.sharding.reduce_scatter(rec.shard, rec.grad, async_op=True)
-        rec.tickets.append(t)
-        rec.reduced = True
-        if self.modes.zero >= 2:
-            self._reducing.append(u)
-            while len(self._reducing) > MAX_REDUCING:
-                self._release_reduced(self._reducing.pop(0))
+            return self.sharding.all_reduce_(rec.grad, async_op=True)
+        return self.sharding.reduce_scatter(rec.shard, rec.grad, async_op=True)
 
     def _release_reduced(self, u) -> None:
         if u.grads.home is GradHome.CLAIMED:
@@ -464,6 +502,9 @@ class Gradients:
         if self.modes.opt_nvme or self.modes.zero >= 2:
             self.release(u)
         rec = u.grads
+        dropped = drop_full(rec.device)  # a window discarded before its reduction
+        if dropped:
+            self.device_tier.sub_transient(dropped)
         rec.reduced = False
         if rec.state is GradState.ACCUMULATING:
             rec.state = transition(u.name, "grad", rec.state, GradState.CLEAN)
