@@ -24,7 +24,7 @@ oldest reduction when the next unit's buffer would not fit the reserve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -67,15 +67,18 @@ def zero_missing(d: DeviceGrad, layout: Layout, written: List[bool]) -> None:
             d.full[s.offset:s.offset + s.numel].zero_()
 
 
-def issue_reduction(d: DeviceGrad, sharding, host_shard: torch.Tensor, mover):
-    """Starts the reduce-scatter of ``d``'s flat buffer and the copy of the
-    own shard into ``host_shard``; the ticket keeps the device buffers
-    alive until the copy is done. ``d`` is empty again."""
+def issue_reduction(d: DeviceGrad, layout: Layout, written: List[bool], sharding, host_shard: torch.Tensor,
+                    mover) -> Tuple[object, int]:
+    """Starts the reduce-scatter of ``d``'s flat buffer (slots not
+    ``written`` zeroed first) and the copy of the own shard into
+    ``host_shard``: (the ticket, which keeps the device buffers alive until
+    the copy is done; the transient device bytes they count). ``d`` is empty again."""
+    zero_missing(d, layout, written)
     full = d.full
     dev_out = torch.empty(host_shard.numel(), dtype=full.dtype, device=full.device)
     ticket = sharding.reduce_scatter_to_host(host_shard, full, dev_out, mover)
     d.full = None
-    return ticket
+    return ticket, d.nbytes
 
 
 def drop_full(d: DeviceGrad) -> int:

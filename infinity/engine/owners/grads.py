@@ -42,7 +42,8 @@ from ..plan.units import Layout
 from ..plan.limits import GRAD_BUCKET_BYTES, MAX_REDUCING  # See [Note: limits that must agree]
 from ..plan.placement import device_reduce_bytes
 from .grad_buckets import Bucket, bucket_elems, land, make_buckets, open_stage, runs_of
-from .grad_device import DeviceGrad, drop_full, issue_reduction, land_slot, open_full, zero_missing
+from .grad_device import DeviceGrad, drop_full, issue_reduction, land_slot, open_full
+from .grad_norm import sum_of_squares
 
 __all__ = ["GradRecord", "Gradients"]
 
@@ -162,8 +163,7 @@ class Gradients:
         if rec.state is GradState.CLEAN:
             rec.state = transition(u.name, "grad", rec.state, GradState.ACCUMULATING)
         if self.modes.reduce_on_device:  # See [Note: a unit's gradients on the device] in grad_device.py
-            if rec.device.full is None:
-                self._open_device(u)
+            self._open_device(u)
             land_slot(rec.device, u.layout, ti, g, accumulate)
             rec.pending -= 1
             return rec.pending == 0
@@ -190,7 +190,9 @@ class Gradients:
         return rec.pending == 0
 
     def _open_device(self, u) -> None:
-        """``u``'s flat device gradient, counted as transient device bytes."""
+        """``u``'s flat device gradient unless open, counted as transient device bytes."""
+        if u.grads.device.full is not None:
+            return
         nb = device_reduce_bytes(u.place.trainable_numel, self.modes)
         self._bound_transient(nb)
         self.device_tier.add_transient(nb)
@@ -326,27 +328,8 @@ class Gradients:
             rec.home = transition(u.name, "grad home", rec.home, GradHome.SPILLED)
 
     def sum_of_squares(self, units_grads, runs) -> float:
-        """The squared L2 norm (float, in the gradients' units squared) of
-        this rank's gradients of ``units_grads`` ((unit, grad buffer or None,
-        written flags) per unit), read once. ``runs(u, written, grad)`` gives
-        the (start, end) index ranges of ``grad`` that count: the slots that
-        got gradients, cut to this rank's shard. Spilled gradients are read
-        back for it and dropped again."""
-        parts = []  # per unit, float64, where the gradients live
-        for u, grad, written in units_grads:
-            if grad is None and self.modes.opt_nvme:
-                self.load(u)  # spilled: read back for the norm (and dropped again)
-                grad = u.grads.grad
-            if grad is None:
-                continue
-            ranges = runs(u, written, grad)
-            if ranges:
-                norms = torch._foreach_norm([grad[a:b] for a, b in ranges], 2, dtype=torch.float32)
-                parts.append(torch.stack(norms).double().square().sum())
-            if self.modes.opt_nvme:
-                self.drop_loaded(u)
-        # One read of the result: on CUDA each float() would be a sync.
-        return float(torch.stack(parts).sum()) if parts else 0.0
+        """See grad_norm.sum_of_squares (spilled gradients read back for it)."""
+        return sum_of_squares(self, units_grads, runs)
 
     def claim(self, u) -> None:
         """An update during backward takes ``u``'s host buffer (it releases it)."""
@@ -390,16 +373,12 @@ class Gradients:
                 self._release_reduced(self._reducing.pop(0))
 
     def _reduce_on_device(self, u):
-        """See [Note: a unit's gradients on the device] in grad_device.py: the
-        reduction's ticket; its device bytes count until the shard is on the host."""
+        """See [Note: a unit's gradients on the device] in grad_device.py: the ticket."""
         rec = u.grads
-        if rec.device.full is None:  # no gradient on this rank: contribute zeros
-            self._open_device(u)
-        zero_missing(rec.device, u.layout, rec.written)
-        nb = rec.device.nbytes
-        t = issue_reduction(rec.device, self.sharding, rec.shard, self.mover)
+        self._open_device(u)  # if no gradient came on this rank: zeros
+        t, nb = issue_reduction(rec.device, u.layout, rec.written, self.sharding, rec.shard, self.mover)
         self.stats.moved("d2h", rec.shard.numel() * rec.shard.element_size())
-        self._outstanding.append((t, nb))
+        self._outstanding.append((t, nb))  # device bytes count until the shard is on the host
         return t
 
     def _reduce_on_host(self, u):
@@ -502,9 +481,7 @@ class Gradients:
         if self.modes.opt_nvme or self.modes.zero >= 2:
             self.release(u)
         rec = u.grads
-        dropped = drop_full(rec.device)  # a window discarded before its reduction
-        if dropped:
-            self.device_tier.sub_transient(dropped)
+        self.device_tier.sub_transient(drop_full(rec.device))  # a window discarded before its reduction
         rec.reduced = False
         if rec.state is GradState.ACCUMULATING:
             rec.state = transition(u.name, "grad", rec.state, GradState.CLEAN)
