@@ -36,7 +36,7 @@ def _reduce_on(where):
         placement.host_reduction_reason = real
 
 
-def _model(case: dict):
+def model_of(case: dict):
     """small_gpt, or with ``case["model"] == "unequal"`` a stack of MLP units of unequal sizes."""
     if case.get("model") == "unequal":
         return unequal_net()
@@ -74,7 +74,7 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                                   swap_paths=[os.path.join(out_dir, f"swap{ci}")],
                                   max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1))
             with _emulated(case.get("emulate", False)) as movers, _reduce_on(case.get("reduce")):
-                model, opt = infinity.initialize(_model(case), cfg, lr=1e-3, weight_decay=0.1, process_group=group)
+                model, opt = infinity.initialize(model_of(case), cfg, lr=1e-3, weight_decay=0.1, process_group=group)
             accum, steps = case.get("accum", 1), case["steps"]
             data = batches(steps * accum, seed=0, b=2 * gworld)
             losses, norms = [], []
@@ -95,6 +95,9 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
             full = infinity.full_state_dict(model)  # collective: every rank of the group calls it
             s = infinity.stats(model)
             s["emulated_copies"] = sum(st.ran for m in movers or [] for st in m.streams)
+            eng = infinity.api.engine_of(model)
+            s["unit_numels"] = [(u.place.trainable_numel, u.place.compute_numel) for u in eng.units]
+            s["reduce_on_device"] = eng.modes.reduce_on_device
             if grank == 0:
                 torch.save({"losses": losses, "norms": norms, "state": full, "stats": s},
                            os.path.join(out_dir, f"case{ci}{suffix}.pt"))
@@ -192,6 +195,13 @@ def _check_collectives(s, ranks: list, mover) -> None:
     assert ticket.done(), "a waited ticket is done"
     assert torch.equal(out_sync, total[me * 8:(me + 1) * 8]), (out_sync, total)
     assert torch.equal(out_sync, out_async), (out_sync, out_async)
+    host_out, dev_out = torch.empty(8), torch.empty(8)  # the device path: reduce-scatter, then the shard's copy
+    before = dict(s.stats.bytes_moved)
+    ticket = s.reduce_scatter_to_host(host_out, full.clone(), dev_out, mover)
+    ticket.wait()
+    assert ticket.done() and ticket.keep == () and torch.equal(host_out, out_sync), (host_out, out_sync)
+    sent = s.stats.bytes_moved["net_device"] - before.get("net_device", 0)
+    assert sent == full.numel() * 4 * (world - 1) // world, sent  # the ring's share of the buffer
     a, b = full.clone(), full.clone()
     s.all_reduce_(a)
     ticket = s.all_reduce_(b, async_op=True)
