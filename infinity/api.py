@@ -237,7 +237,11 @@ def stats(model: nn.Module) -> Dict[str, Any]:
 
     Keys: ``peak_bytes`` and ``budget_bytes`` per tier ("device", "host",
     "nvme"); ``bytes_moved`` per link since initialize ("h2d", "d2h",
-    "nvme_read", "nvme_write") and ``step_bytes_moved`` (the last step's);
+    "nvme_read", "nvme_write"; on several ranks "net_device" and "net_host":
+    bytes this rank sent over the device and host groups as the ring
+    algorithm moves them, and the ZeRO volumes "reduce_scatter",
+    "all_gather", "all_reduce": [Note: bytes on the wire] in
+    engine/mechanism/zero.py) and ``step_bytes_moved`` (the last step's);
     ``stall_seconds`` (the host waiting for fetches: on CUDA only where the
     host itself waits) and ``device_stall_seconds`` (compute waiting for
     fetches, on CUDA timed on the device with events); ``optimizer_seconds`` (inside

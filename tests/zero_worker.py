@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import infinity  # noqa: E402
-from engine_utils import batches, small_gpt, unit_bytes  # noqa: E402
+from engine_utils import batches, small_gpt, unequal_net, unit_bytes  # noqa: E402
 
 
 def _emulated(on: bool):
@@ -19,6 +19,28 @@ def _emulated(on: bool):
         return contextlib.nullcontext()
     from cuda_emulator import emulated_cuda_ordering
     return emulated_cuda_ordering()
+
+
+@contextlib.contextmanager
+def _reduce_on(where):
+    """``where="host"``: engines built inside reduce gradients on the host
+    even where placement.py would reduce them on the device (the reference
+    of the device path's parity tests); None: as placement.py decides."""
+    from infinity.engine.plan import placement
+    real = placement.host_reduction_reason
+    if where == "host":
+        placement.host_reduction_reason = lambda *a: "forced by the test"
+    try:
+        yield
+    finally:
+        placement.host_reduction_reason = real
+
+
+def model_of(case: dict):
+    """small_gpt, or with ``case["model"] == "unequal"`` a stack of MLP units of unequal sizes."""
+    if case.get("model") == "unequal":
+        return unequal_net()
+    return small_gpt(n_layer=case.get("layers", 8))
 
 
 def _init(rank: int, world: int, rdzv: str, **kw) -> None:
@@ -51,9 +73,8 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                                   offload_optimizer=case.get("opt", "host"),
                                   swap_paths=[os.path.join(out_dir, f"swap{ci}")],
                                   max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1))
-            with _emulated(case.get("emulate", False)) as movers:  # the CUDA-ordering emulator (issue 36)
-                model, opt = infinity.initialize(small_gpt(n_layer=case.get("layers", 8)), cfg, lr=1e-3,
-                                                 weight_decay=0.1, process_group=group)
+            with _emulated(case.get("emulate", False)) as movers, _reduce_on(case.get("reduce")):
+                model, opt = infinity.initialize(model_of(case), cfg, lr=1e-3, weight_decay=0.1, process_group=group)
             accum, steps = case.get("accum", 1), case["steps"]
             data = batches(steps * accum, seed=0, b=2 * gworld)
             losses, norms = [], []
@@ -74,6 +95,9 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
             full = infinity.full_state_dict(model)  # collective: every rank of the group calls it
             s = infinity.stats(model)
             s["emulated_copies"] = sum(st.ran for m in movers or [] for st in m.streams)
+            eng = infinity.api.engine_of(model)
+            s["unit_numels"] = [(u.place.trainable_numel, u.place.compute_numel) for u in eng.units]
+            s["reduce_on_device"] = eng.modes.reduce_on_device
             if grank == 0:
                 torch.save({"losses": losses, "norms": norms, "state": full, "stats": s},
                            os.path.join(out_dir, f"case{ci}{suffix}.pt"))
@@ -171,6 +195,13 @@ def _check_collectives(s, ranks: list, mover) -> None:
     assert ticket.done(), "a waited ticket is done"
     assert torch.equal(out_sync, total[me * 8:(me + 1) * 8]), (out_sync, total)
     assert torch.equal(out_sync, out_async), (out_sync, out_async)
+    host_out, dev_out = torch.empty(8), torch.empty(8)  # the device path: reduce-scatter, then the shard's copy
+    before = dict(s.stats.bytes_moved)
+    ticket = s.reduce_scatter_to_host(host_out, full.clone(), dev_out, mover)
+    ticket.wait()
+    assert ticket.done() and ticket.keep == () and torch.equal(host_out, out_sync), (host_out, out_sync)
+    sent = s.stats.bytes_moved["net_device"] - before.get("net_device", 0)
+    assert sent == full.numel() * 4 * (world - 1) // world, sent  # the ring's share of the buffer
     a, b = full.clone(), full.clone()
     s.all_reduce_(a)
     ticket = s.all_reduce_(b, async_op=True)

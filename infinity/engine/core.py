@@ -54,7 +54,7 @@ class Engine:
         self.device = config.resolve_device()
         self.mover = make_mover(self.device)
         weakref.finalize(self, self.mover.close, False)  # worker threads end with the engine
-        self.sharding = Sharding(config.zero_stage, self.stats, group=process_group)
+        self.sharding = Sharding(config.zero_stage, self.stats, group=process_group, device=self.device)
         if self.sharding.world > 1:
             desc = {f"config.{k}": v for k, v in config.to_dict().items() if k != "swap_paths"}
             desc.update({f"param {n}": (tuple(p.shape), p.requires_grad)

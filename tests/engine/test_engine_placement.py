@@ -102,6 +102,35 @@ def test_host_need_zero_stages():
             assert need.minimum == need.permanent + 8192 and need.capacity == need.permanent + 8192
 
 
+@pytest.mark.parametrize("stage, world, accum, why", [
+    (2, 2, 1, None), (3, 4, 1, None),
+    (2, 1, 1, "one rank"), (1, 2, 1, "zero_stage=1"), (0, 2, 1, "zero_stage=0"), (3, 2, 2, "grad_accumulation_steps=2"),
+])
+def test_where_gradients_are_reduced(stage, world, accum, why):
+    """[Note: where gradients are reduced]: on the device at stages 2-3 on
+    several ranks without accumulation; otherwise the reason names the setting."""
+    got = pl.host_reduction_reason(stage, world, accum)
+    assert got is None if why is None else why in got, got
+
+
+def test_device_reduction_reserves_two_units_on_the_device_and_none_on_the_host():
+    """Reduced on the device, a unit's full gradient and its shard (fp32) are
+    transient device bytes, two units' worth (one filling, one reducing), and
+    the host keeps no full gradients: only the shard."""
+    import dataclasses
+    m = dataclasses.replace(modes(zero=2, world=2, dtype=BF16), reduce_on_device=True)
+    places = [pl.place_unit(layout(2048, pad_to=2), m), pl.place_unit(layout(4096, pad_to=2), m)]
+    host = pl.device_need(places, [False, False], modes(zero=2, world=2, dtype=BF16))
+    dev = pl.device_need(places, [False, False], m)
+    assert host.grad_reserve == 4096 * 2                      # the largest unit's bf16 gradients
+    assert dev.grad_reserve == 2 * (4096 + 2048) * 4           # two units' fp32 gradient + shard
+    assert dev.minimum - host.minimum == dev.grad_reserve - host.grad_reserve
+    need_host = pl.host_need(places, modes(zero=2, world=2, dtype=BF16))
+    need_dev = pl.host_need(places, m)
+    assert need_host.minimum - need_dev.minimum == (2048 + 4096) * 4  # both units' full fp32 gradients
+    assert need_dev.permanent == need_host.permanent
+
+
 def test_the_cuda_gradient_staging_ring_is_in_the_host_need():
     """[Note: the gradient staging ring]: on CUDA, where the host adds or upcasts gradients (accumulation,
     or fp32 host gradients under bf16 compute), the ring's pinned blocks are in the host pool's minimum and

@@ -40,7 +40,7 @@ CASES = [
 
 
 def reference(case, world=WORLD):
-    ref = small_gpt(n_layer=case.get("layers", 8))
+    ref = zero_worker.model_of(case)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     accum, steps = case.get("accum", 1), case["steps"]
     data = batches(steps * accum, seed=0, b=2 * world)

@@ -58,6 +58,24 @@ for the work and synchronizes a blocking event recorded there after it: the
 host returns when the collective has finished, without waiting for the
 compute queued meanwhile. ``wait_compute`` keeps the stream semantics. Under
 gloo with CPU tensors ``Work.wait()`` is already a host wait.
+
+[Note: the device group]
+Collectives on the device tier's tensors (stage 3's parameter gathers, the
+gradients reduced on the device: [Note: where gradients are reduced] in
+placement.py) go to the device group, chosen by a flag on the call, not by
+the tensor's device: on the CPU device the device tier's tensors are CPU
+tensors too, and routed by device they would take the host group. The
+device group is ``group`` on CUDA, and on the CPU device ``group`` when its
+backend serves CPU tensors (gloo), else the host group. So on the CPU the
+device path runs through gloo line by line as NCCL runs it on GPUs.
+
+[Note: bytes on the wire]
+``bytes_moved`` keeps two conventions. "reduce_scatter", "all_gather" and
+"all_reduce" are the ZeRO paper's volumes (the full buffer per reduce-scatter
+or all-gather, twice it per all-reduce). "net_device" and "net_host" are
+what this rank sends over each group's links as the ring algorithm moves
+them: (N-1)/N of the full buffer per reduce-scatter or all-gather, twice that
+per all-reduce (a ring's reduce-scatter then all-gather); it receives as much.
 """
 
 from __future__ import annotations
@@ -139,10 +157,12 @@ class Sharding:
 
     Constructing it is collective when torch.distributed is initialised (it
     may make the host group: see [Note: the host group]). Each collective
-    goes to ``group`` for CUDA tensors and to ``host_group`` for CPU tensors.
+    goes to ``group`` for CUDA tensors and to ``host_group`` for CPU tensors,
+    unless the call says ``on_device`` ([Note: the device group]); ``device``
+    is the engine's (None: the CPU).
     """
 
-    def __init__(self, stage: int, stats: Stats, group=None):
+    def __init__(self, stage: int, stats: Stats, group=None, device: Optional[torch.device] = None):
         initialised = dist.is_available() and dist.is_initialized()
         if stage > 0 and not initialised:
             raise RuntimeError(f"Config.zero_stage={stage} needs torch.distributed to be initialised "
@@ -150,6 +170,9 @@ class Sharding:
         self.stage = stage
         self.group = group
         self.host_group = _host_group(group) if initialised else None
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        serves = initialised and backend_serves_cpu(dist.get_backend(group))
+        self.device_group = self.host_group if on_cpu and not serves else group  # [Note: the device group]
         # Data-parallel ranks: stage 0 over several ranks is plain data
         # parallelism (gradients all-reduced, nothing sharded).
         self.world = dist.get_world_size(group) if initialised else 1
@@ -160,9 +183,18 @@ class Sharding:
         self.stats = stats
         self._side_streams: Dict[int, object] = {}  # CUDA device index -> the collectives' side stream
 
-    def _group_of(self, t: torch.Tensor):
-        """The group for collectives on ``t``: see [Note: the host group]."""
+    def _group_of(self, t: torch.Tensor, on_device: bool = False):
+        """The group for collectives on ``t``: see [Note: the host group] and [Note: the device group]."""
+        if on_device:
+            return self.device_group
         return self.host_group if t.device.type == "cpu" else self.group
+
+    def _wire(self, full: torch.Tensor, on_device: bool, passes: int = 1) -> None:
+        """Counts the ring's bytes this rank sends for ``passes`` reduce-scatters
+        or all-gathers of ``full`` (see [Note: bytes on the wire])."""
+        if self.world > 1:
+            link = "net_device" if on_device or full.is_cuda else "net_host"
+            self.stats.moved(link, passes * full.numel() * full.element_size() * (self.world - 1) // self.world)
 
     def _side_stream(self, t: torch.Tensor):
         """For a CUDA ``t``: the side stream of its device (see [Note: the stage-3
@@ -191,13 +223,44 @@ class Sharding:
         ``out`` or rewriting ``full``); else returns None when done."""
         work = _reduce_scatter(out, full, group=self._group_of(full), async_op=async_op)
         self.stats.moved("reduce_scatter", full.numel() * full.element_size())
+        self._wire(full, False)
         return self._ticket(work, full) if async_op else None
+
+    def reduce_scatter_to_host(self, host_out: torch.Tensor, full: torch.Tensor, dev_out: torch.Tensor,
+                               mover) -> "CollectiveTicket":
+        """The device path of [Note: where gradients are reduced]: ``dev_out``
+        (the own shard, on the device) = the sum over the ranks of ``full``'s
+        matching shard, reduce-scattered on the device group, then copied into
+        ``host_out`` by ``mover``'s ``d2h``. Asynchronous: the ticket's
+        ``wait()`` returns once ``host_out`` holds the sum; it keeps ``full``
+        and ``dev_out`` alive until then.
+
+        On CUDA the collective is issued from the side stream after the
+        compute queued so far (which wrote ``full``), the side stream waits
+        for it and the copy waits for the side stream: no host thread waits.
+        On the CPU gloo runs it on its own thread and the mover's chain
+        thread waits for it, then starts the copy; backward goes on meanwhile.
+        """
+        group, side = self.device_group, self._side_stream(full)
+        if side is None:
+            work = _reduce_scatter(dev_out, full, group=group, async_op=True)
+            ticket = mover.chain(work.wait, lambda: mover.d2h(host_out, dev_out))
+        else:
+            side.wait_stream(torch.cuda.current_stream(full.device))
+            with torch.cuda.stream(side):
+                work = _reduce_scatter(dev_out, full, group=group, async_op=True)
+                work.wait()  # the side stream waits for NCCL; the copy below waits for the side stream
+                ticket = mover.d2h(host_out, dev_out)
+        self.stats.moved("reduce_scatter", full.numel() * full.element_size())
+        self._wire(full, True)
+        return CollectiveTicket([work], None, then=ticket, keep=(full, dev_out))
 
     def all_gather_(self, full: torch.Tensor) -> None:
         """Fills every shard of ``full`` from its owner (in place: the own shard is the input)."""
         lo, hi = self.shard(full.numel())
         _all_gather(full, full[lo:hi], group=self._group_of(full))
         self.stats.moved("all_gather", full.numel() * full.element_size())
+        self._wire(full, False)
 
     def all_gather(self, shard: torch.Tensor, numel: int) -> torch.Tensor:
         """A new full tensor of ``numel`` elements gathered from every rank's ``shard``."""
@@ -230,6 +293,7 @@ class Sharding:
         # Counted as a reduce-scatter plus an all-gather (2x the bytes), the
         # convention of the ZeRO paper's communication volumes.
         self.stats.moved("all_reduce", 2 * t.numel() * t.element_size())
+        self._wire(t, False, passes=2)
         return self._ticket(work, t) if async_op else None
 
     def own_param_ranges(self, numel: int, trainable: int) -> List[Tuple[int, int]]:
@@ -247,8 +311,8 @@ class Sharding:
                 yield a, b, (b - a) // self.world
 
     def gather_units_params(self, full: torch.Tensor, shard: torch.Tensor, trainable: int,
-                            h2d: Optional[Callable[[torch.Tensor, torch.Tensor], object]] = None
-                            ) -> "CollectiveTicket":
+                            h2d: Optional[Callable[[torch.Tensor, torch.Tensor], object]] = None,
+                            on_device: bool = False) -> "CollectiveTicket":
         """Stage 3: fills a unit's full compute copy ``full`` (device) from every
         rank's ``shard`` (host: its trainable shard, then its frozen shard),
         region by region (:meth:`_param_regions`). Asynchronous.
@@ -256,9 +320,10 @@ class Sharding:
         ``h2d(dst, src) -> Ticket``: copies the own shard up (the mover's
         ``h2d`` with ``fresh=True``: ``full`` is a range just handed out); each
         gather then waits for its copy. Without it the copy runs on the current
-        stream. See [Note: the stage-3 gather's copy-in].
+        stream. See [Note: the stage-3 gather's copy-in]. ``on_device``: ``full``
+        is the device tier's ([Note: the device group]).
         """
-        group, side = self._group_of(full), self._side_stream(full)
+        group, side = self._group_of(full, on_device), self._side_stream(full)
         works, pos = [], 0
         for a, b, k in self._param_regions(full.numel(), trainable):
             lo = a + self.rank * k
@@ -273,6 +338,7 @@ class Sharding:
                     works.append(_all_gather(full[a:b], own, group=group, async_op=True))
             pos += k
             self.stats.moved("all_gather", (b - a) * full.element_size())
+            self._wire(full[a:b], on_device)
         return CollectiveTicket(works, side)
 
     def shard_of_params(self, full: torch.Tensor, trainable: int) -> torch.Tensor:
@@ -300,24 +366,32 @@ class CollectiveTicket:
     """Completion of asynchronous collectives, with the mover's Ticket interface.
 
     ``stream``: the side stream of the collectives' CUDA device, None for CPU
-    tensors. See [Note: waiting for a collective].
+    tensors. See [Note: waiting for a collective]. ``then``: a mover ticket
+    that follows the collectives (a shard's copy to the host): waiting for
+    it is waiting for them; ``keep``: tensors held until it is done.
     """
 
-    __slots__ = ("works", "stream", "_waited")
+    __slots__ = ("works", "stream", "_waited", "then", "keep")
 
-    def __init__(self, works: list, stream=None):
+    def __init__(self, works: list, stream=None, then=None, keep: tuple = ()):
         self.works = works  # Work objects (Engine._settle_collectives waits on them at close)
         self.stream = stream
         self._waited = False
+        self.then, self.keep = then, keep
 
     def done(self) -> bool:
         """True once finished. May say False for a finished collective not yet
         waited for: gloo's reduce-scatter Work never reports completion."""
+        if self.then is not None:
+            return self._waited or self.then.done()
         return self._waited or all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
         """A host barrier: returns once every collective has finished."""
-        if self.stream is None or not self.works:
+        if self.then is not None:
+            self.then.wait()
+            self.keep = ()  # the copy read them: they may go
+        elif self.stream is None or not self.works:
             for w in self.works:
                 w.wait()
         else:
@@ -329,8 +403,10 @@ class CollectiveTicket:
             ev.synchronize()
         self._waited = True
 
-    def wait_compute(self) -> None:
+    def wait_compute(self, timed: bool = True) -> None:
         """Makes compute wait: the current stream under NCCL, the host under gloo."""
+        if self.then is not None:
+            return self.wait()
         for w in self.works:
             w.wait()
         self._waited = self._waited or self.stream is None  # CPU tensors: that was a host wait

@@ -5,7 +5,8 @@ by an update, released.
 Owns ``unit.grads`` (a :class:`GradRecord`); nothing else writes it. See
 [Note: gradients in the compute dtype] in placement.py, [Note: a gradient's way to
 the host] in mover.py and [Note: gradient states] in state.py; the device side of the way out is in
-grad_buckets.py ([Note: gradients leave the device in buckets]).
+grad_buckets.py ([Note: gradients leave the device in buckets]), and where gradients are reduced on
+the device, in grad_device.py ([Note: a unit's gradients on the device]).
 
 [Note: a backward after step() without zero_grad()]
 torch adds such a backward's gradients to the last step's. That is harmless
@@ -39,7 +40,10 @@ from ..mechanism.nvme import key as swap_key
 from ..plan.state import GradHome, GradState, transition
 from ..plan.units import Layout
 from ..plan.limits import GRAD_BUCKET_BYTES, MAX_REDUCING  # See [Note: limits that must agree]
+from ..plan.placement import device_reduce_bytes
 from .grad_buckets import Bucket, bucket_elems, land, make_buckets, open_stage, runs_of
+from .grad_device import DeviceGrad, drop_full, issue_reduction, land_slot, open_full
+from .grad_norm import sum_of_squares
 
 __all__ = ["GradRecord", "Gradients"]
 
@@ -61,6 +65,7 @@ class GradRecord:
     reduced: bool = False                     # ZeRO: the reduction of this step was issued
     buckets: List[Bucket] = field(default_factory=list)  # device staging (grad_buckets.py)
     bucket_of: List[int] = field(default_factory=list)   # per trainable slot: its bucket, -1 for none
+    device: DeviceGrad = field(default_factory=DeviceGrad)  # the device path (grad_device.py)
 
 
 class Gradients:
@@ -82,7 +87,8 @@ class Gradients:
         # copies, so each size class's holes fit its own later requests.
         self._with_copies = modes.grad_dtype != torch.float32
         # See [Note: gradients leave the device in buckets] in grad_buckets.py.
-        self.batched = bool(getattr(mover, "batches_grads", False)) and modes.host_optimizer
+        self.batched = bool(getattr(mover, "batches_grads", False)) and modes.host_optimizer \
+            and not modes.reduce_on_device  # whole units gather on the device instead
         reserve = device_tier.transient_reserve if device_tier is not None else 0
         self._bucket_elems = bucket_elems(reserve, GRAD_BUCKET_BYTES, modes.dtype.itemsize)
         self.drop_buffers()
@@ -152,13 +158,18 @@ class Gradients:
             self.stale = True  # See [Note: a backward after step() without zero_grad()]
         p.grad = None
         rec, s = u.grads, u.layout.trainable_slots[ti]
-        if rec.grad is None:  # a transient buffer until the update (NVMe state, ZeRO 2-3)
-            self.acquire(u)
-        dst = rec.grad[s.offset:s.offset + s.numel]
         accumulate = rec.written[ti]
         rec.written[ti] = rec.had[ti] = True
         if rec.state is GradState.CLEAN:
             rec.state = transition(u.name, "grad", rec.state, GradState.ACCUMULATING)
+        if self.modes.reduce_on_device:  # See [Note: a unit's gradients on the device] in grad_device.py
+            self._open_device(u)
+            land_slot(rec.device, u.layout, ti, g, accumulate)
+            rec.pending -= 1
+            return rec.pending == 0
+        if rec.grad is None:  # a transient buffer until the update (NVMe state, ZeRO 2-3)
+            self.acquire(u)
+        dst = rec.grad[s.offset:s.offset + s.numel]
         if self.modes.host_optimizer:
             b = rec.bucket_of[ti] if rec.bucket_of else -1
             if b >= 0:
@@ -177,6 +188,15 @@ class Gradients:
             dst.copy_(g.reshape(-1))
         rec.pending -= 1
         return rec.pending == 0
+
+    def _open_device(self, u) -> None:
+        """``u``'s flat device gradient unless open, counted as transient device bytes."""
+        if u.grads.device.full is not None:
+            return
+        nb = device_reduce_bytes(u.place.trainable_numel, self.modes)
+        self._bound_transient(nb)
+        self.device_tier.add_transient(nb)
+        open_full(u.grads.device, u.layout, u.place.trainable_numel, self.modes.grad_dtype, self.modes.device, nb)
 
     def _stage(self, u, b: Bucket, ti: int, g: torch.Tensor, accumulate: bool) -> None:
         """``g`` into ``b``'s staging buffer; ``b`` to the host once full."""
@@ -308,27 +328,8 @@ class Gradients:
             rec.home = transition(u.name, "grad home", rec.home, GradHome.SPILLED)
 
     def sum_of_squares(self, units_grads, runs) -> float:
-        """The squared L2 norm (float, in the gradients' units squared) of
-        this rank's gradients of ``units_grads`` ((unit, grad buffer or None,
-        written flags) per unit), read once. ``runs(u, written, grad)`` gives
-        the (start, end) index ranges of ``grad`` that count: the slots that
-        got gradients, cut to this rank's shard. Spilled gradients are read
-        back for it and dropped again."""
-        parts = []  # per unit, float64, where the gradients live
-        for u, grad, written in units_grads:
-            if grad is None and self.modes.opt_nvme:
-                self.load(u)  # spilled: read back for the norm (and dropped again)
-                grad = u.grads.grad
-            if grad is None:
-                continue
-            ranges = runs(u, written, grad)
-            if ranges:
-                norms = torch._foreach_norm([grad[a:b] for a, b in ranges], 2, dtype=torch.float32)
-                parts.append(torch.stack(norms).double().square().sum())
-            if self.modes.opt_nvme:
-                self.drop_loaded(u)
-        # One read of the result: on CUDA each float() would be a sync.
-        return float(torch.stack(parts).sum()) if parts else 0.0
+        """See grad_norm.sum_of_squares (spilled gradients read back for it)."""
+        return sum_of_squares(self, units_grads, runs)
 
     def claim(self, u) -> None:
         """An update during backward takes ``u``'s host buffer (it releases it)."""
@@ -360,6 +361,29 @@ class Gradients:
         unit's tickets: whatever reads or frees the gradients waits for it;
         stages 2-3 free the full buffer once it is done."""
         rec = u.grads
+        if self.modes.reduce_on_device:
+            t = self._reduce_on_device(u)
+        else:
+            t = self._reduce_on_host(u)
+        rec.tickets.append(t)
+        rec.reduced = True
+        if self.modes.zero >= 2:
+            self._reducing.append(u)
+            while len(self._reducing) > MAX_REDUCING:
+                self._release_reduced(self._reducing.pop(0))
+
+    def _reduce_on_device(self, u):
+        """See [Note: a unit's gradients on the device] in grad_device.py: the ticket."""
+        rec = u.grads
+        self._open_device(u)  # if no gradient came on this rank: zeros
+        t, nb = issue_reduction(rec.device, u.layout, rec.written, self.sharding, rec.shard, self.mover)
+        self.stats.moved("d2h", rec.shard.numel() * rec.shard.element_size())
+        self._outstanding.append((t, nb))  # device bytes count until the shard is on the host
+        return t
+
+    def _reduce_on_host(self, u):
+        """The host buffers reduced over the host group; the ticket."""
+        rec = u.grads
         self.wait(u)
         if rec.grad is None:
             # Spilled to NVMe (read back), or no gradient on this rank (contribute zeros).
@@ -368,15 +392,8 @@ class Gradients:
             if not spilled:
                 rec.grad.zero_()
         if not self.modes.zero:  # plain data parallelism: every rank keeps the sum
-            t = self.sharding.all_reduce_(rec.grad, async_op=True)
-        else:
-            t = self.sharding.reduce_scatter(rec.shard, rec.grad, async_op=True)
-        rec.tickets.append(t)
-        rec.reduced = True
-        if self.modes.zero >= 2:
-            self._reducing.append(u)
-            while len(self._reducing) > MAX_REDUCING:
-                self._release_reduced(self._reducing.pop(0))
+            return self.sharding.all_reduce_(rec.grad, async_op=True)
+        return self.sharding.reduce_scatter(rec.shard, rec.grad, async_op=True)
 
     def _release_reduced(self, u) -> None:
         if u.grads.home is GradHome.CLAIMED:
@@ -464,6 +481,7 @@ class Gradients:
         if self.modes.opt_nvme or self.modes.zero >= 2:
             self.release(u)
         rec = u.grads
+        self.device_tier.sub_transient(drop_full(rec.device))  # a window discarded before its reduction
         rec.reduced = False
         if rec.state is GradState.ACCUMULATING:
             rec.state = transition(u.name, "grad", rec.state, GradState.CLEAN)

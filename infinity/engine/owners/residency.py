@@ -257,9 +257,10 @@ class Residency:
             # The NVMe read starts now; the gather is issued when compute needs
             # the unit, from the thread that issues every collective, so all
             # ranks issue them in the same order (see [Note: ZeRO shards in infinity]).
-            return DeferredTicket(read.wait, lambda: self.sharding.gather_units_params(dev, host, tn, h2d=h2d))
+            return DeferredTicket(read.wait, lambda: self.sharding.gather_units_params(dev, host, tn, h2d=h2d,
+                                                                                       on_device=True))
         if self.modes.zero == 3:
-            return self.sharding.gather_units_params(dev, host, tn, h2d=h2d)
+            return self.sharding.gather_units_params(dev, host, tn, h2d=h2d, on_device=True)
         if read is not None:
             return self.mover.chain(read.wait, lambda: h2d(dev, host))
         return h2d(dev, host)

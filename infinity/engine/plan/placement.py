@@ -19,8 +19,10 @@ gradients). What is transient comes on top:
 - NVMe optimizer state: ``PIPELINE_BUFFERS`` fp32 buffers of the largest unit
   (two units' master, moments and gradients in the optimizer's pipeline, and
   the gradients of the unit whose backward runs) and one compute copy;
-- ZeRO stages 2-3: full gradients from a unit's first gradient to its
-  reduction, ``ZERO_REDUCING_UNITS`` of them at the minimum;
+- ZeRO stages 2-3 reduced on the host ([Note: where gradients are
+  reduced]): full gradients from a unit's first gradient to its reduction,
+  ``ZERO_REDUCING_UNITS`` of them at the minimum (reduced on the device,
+  only the shard comes to the host);
 - speculative updates (overlap="backward" with clipping or fp16): each
   unit's undo state (``undo_bytes``), in the capacity only: a unit that
   finds no room waits for ``step()``.
@@ -40,7 +42,8 @@ from .limits import (DEVICE_ALIGN, GRAD_STAGING_BLOCK_BYTES, GRAD_STAGING_BLOCKS
 
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need", "grad_staging",
            "nvme_capacity", "modes_of", "speculation_needed", "speculation_unsupported", "undo_bytes", "spillable",
-           "nbytes", "round_pool", "POOL_ALIGN", "DEVICE_ALIGN", "PIPELINE_BUFFERS",
+           "nbytes", "round_pool", "host_reduction_reason", "device_reduce_bytes", "POOL_ALIGN", "DEVICE_ALIGN",
+           "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
 
 NVME_CACHE_SPARE = 2       # NVMe compute copies cached beyond prefetch_depth
@@ -75,6 +78,7 @@ class Modes:
     accum_steps: int          # grad_accumulation_steps
     prefetch_bytes: Optional[int] = None  # Config.prefetch_bytes
     speculate: bool = False   # updates during backward before the clip/overflow check ([Note: speculative updates])
+    reduce_on_device: bool = False  # gradients reduced on the device ([Note: where gradients are reduced])
 
     @property
     def params_on_device(self) -> bool:
@@ -119,7 +123,46 @@ def modes_of(config, world: int, device: torch.device) -> Modes:
                   and config.grad_accumulation_steps == 1 else torch.float32)
     return Modes(device, dtype, grad_dtype, config.offload_params, config.offload_optimizer, config.zero_stage,
                  world, config.overlap == "delayed", config.prefetch_depth, config.grad_accumulation_steps,
-                 config.prefetch_bytes, speculation_needed(config) and speculation_unsupported(config, world) is None)
+                 config.prefetch_bytes, speculation_needed(config) and speculation_unsupported(config, world) is None,
+                 host_reduction_reason(config.zero_stage, world, config.grad_accumulation_steps) is None)
+
+
+def host_reduction_reason(stage: int, world: int, accum_steps: int) -> Optional[str]:
+    """None when a unit's gradients are reduced on the device (ZeRO stage
+    ``stage`` on ``world`` ranks, ``accum_steps`` micro-batches a step), else
+    why they go to the host first.
+
+    [Note: where gradients are reduced]
+    This is the one place that decides it. On the device path a unit's
+    gradients land in one flat device buffer (in the host buffers' dtype, so
+    the sums are the host path's bit for bit), which is reduce-scattered over
+    the device group when the unit's last gradient arrives, asynchronously,
+    while backward goes on with the next unit; only the own shard then
+    crosses to the host (1/N of the unit's bytes per rank). The host path
+    copies every gradient to the host as autograd finishes it and reduces the
+    host buffers over the host group. It stays where the device path would
+    cost more than it saves or cannot hold the sums:
+    - stages 0 and 1: every rank keeps full gradients on the host (stage 0's
+      all-reduce, stage 1's accumulation until ``step()``), and stage 0 may
+      spill them to NVMe before the step;
+    - accumulation windows: earlier micro-batches sum on the host; on the
+      device every unit's full gradients would have to stay between
+      micro-batches (a model's worth of device memory);
+    - one rank: nothing to reduce, the gradients go straight to the host.
+    """
+    if world < 2:
+        return "one rank: nothing to reduce"
+    if stage < 2:
+        return f"zero_stage={stage}: every rank keeps full gradients on the host"
+    if accum_steps > 1:
+        return f"grad_accumulation_steps={accum_steps}: the window's sums accumulate on the host"
+    return None
+
+
+def device_reduce_bytes(trainable_numel: int, modes: Modes) -> int:
+    """Device bytes of one unit's gradients on the device path: the full flat
+    buffer and the reduce-scatter's shard, in the host gradients' dtype."""
+    return nbytes(trainable_numel + trainable_numel // modes.world, modes.grad_dtype)
 
 
 def speculation_needed(config) -> bool:
@@ -216,6 +259,8 @@ def device_need(places: Sequence[UnitPlacement], external: Sequence[bool], modes
         # Units held only for a pending backward give way (see [Note: pins]).
         arena_min = root.compute_bytes + ext + sum(paged[:modes.depth + 1])
     grad_reserve = max([nbytes(p.trainable_numel, modes.dtype) for p in places] + [0])
+    if modes.reduce_on_device:  # one unit's gradients arriving, ZERO_REDUCING_UNITS - 1 being reduced
+        grad_reserve = ZERO_REDUCING_UNITS * max([device_reduce_bytes(p.trainable_numel, modes) for p in places] + [0])
     opt_fixed = 0 if modes.host_optimizer else sum(4 * nbytes(p.trainable_numel, torch.float32) for p in places)
     return DeviceNeed(arena_min, all_compute, grad_reserve, opt_fixed,
                       max((p.compute_bytes for p in places[1:]), default=0), len(places))
@@ -311,8 +356,9 @@ def _permanent_state(p: UnitPlacement, modes: Modes, tb: int, sb: int) -> int:
 
 
 def _zero_full(modes: Modes, tb: int) -> int:
-    """Stages 2-3: full gradients live from the unit's first gradient to its reduction."""
-    return tb if modes.zero >= 2 else 0
+    """Stages 2-3 reduced on the host: full gradients live from the unit's
+    first gradient to its reduction (reduced on the device: none)."""
+    return tb if modes.zero >= 2 and not modes.reduce_on_device else 0
 
 
 def nvme_capacity(need: HostNeed, units: int, paths: int) -> int:

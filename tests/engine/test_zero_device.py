@@ -1,0 +1,98 @@
+"""ZeRO gradients reduced on the device ([Note: where gradients are reduced]
+in infinity/engine/plan/placement.py) on 2 gloo ranks: bit for bit the host
+path's training, and each rank's bytes per link exactly as theory says."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine_utils import assert_params_close
+import zero_worker
+from test_zero import LR, reference, rendezvous
+
+WORLD = 2
+
+# Each case runs twice in one spawn: as placement.py decides, and with the
+# reduction forced onto the host (the existing path, the reference).
+CI_CASES = [
+    dict(stage=2, steps=2, model="unequal"),
+    dict(stage=2, steps=2, model="unequal", params="none", opt="nvme", overlap="backward"),
+    dict(stage=3, steps=2, model="unequal"),
+    dict(stage=3, steps=2, model="unequal", opt="nvme", overlap="backward"),
+]
+
+# stages 0-3 x params none/host (stage 3: host/nvme) x optimizer host/nvme x overlap step/backward
+MATRIX = [dict(stage=st, steps=3, model="unequal", params=pa, opt=op, overlap=ov)
+          for st in (0, 1, 2, 3) for pa in (("host", "nvme") if st == 3 else ("none", "host"))
+          for op in ("host", "nvme") for ov in ("step", "backward")]
+
+
+def _run_both(tmp_path, cases):
+    both = [dict(c, reduce=r) for c in cases for r in (None, "host")]
+    mp.spawn(zero_worker.run, args=(WORLD, rendezvous(tmp_path), both, str(tmp_path)), nprocs=WORLD, join=True)
+    return [tuple(torch.load(tmp_path / f"case{2 * i + k}.pt") for k in (0, 1)) for i in range(len(cases))]
+
+
+@pytest.fixture(scope="module")
+def ci_results(tmp_path_factory):
+    return _run_both(tmp_path_factory.mktemp("zero_device"), CI_CASES)
+
+
+def _assert_same_bits(case, dev, host):
+    assert dev["stats"]["reduce_on_device"] is (case["stage"] >= 2), case
+    assert host["stats"]["reduce_on_device"] is False, case
+    assert dev["losses"] == host["losses"], (case, dev["losses"], host["losses"])
+    for k, v in host["state"].items():
+        assert torch.equal(dev["state"][k], v), (case, k)
+
+
+@pytest.mark.parametrize("ci", range(len(CI_CASES)))
+def test_device_reduction_trains_bit_for_bit_as_the_host_path(ci_results, ci):
+    dev, host = ci_results[ci]
+    _assert_same_bits(CI_CASES[ci], dev, host)
+    ref_losses, ref_state = reference(CI_CASES[ci])
+    assert_params_close(dev["state"], ref_state, global_scale=True, lr_steps=LR * CI_CASES[ci]["steps"])
+
+
+@pytest.mark.parametrize("ci", [0, 2])
+def test_bytes_per_link_per_rank_equal_theory(ci_results, ci):
+    """Per step on each rank (the last step's counters): the gradients cross
+    D2H as the own shard only, 1/N of every unit's (padded) flat gradient;
+    the reduce-scatter runs on the device group and sends (N-1)/N of each
+    unit's gradient over the ring; stage 2's all-gather of the updated
+    compute copies runs on the host group (then each copy goes up whole),
+    stage 3's parameter gathers on the device group, each of them bringing
+    only the own shard up H2D."""
+    dev, host = ci_results[ci]
+    s, numels = dev["stats"], dev["stats"]["unit_numels"]
+    grad_bytes = sum(4 * tn for tn, _ in numels)        # fp32 flat gradients, padded to the world
+    step = s["step_bytes_moved"]
+    assert step["d2h"] == grad_bytes // WORLD, (step["d2h"], grad_bytes)
+    assert step["reduce_scatter"] == grad_bytes
+    ring = (WORLD - 1) / WORLD
+    if CI_CASES[ci]["stage"] == 2:
+        assert step["net_device"] == grad_bytes * ring
+        assert step["net_host"] == grad_bytes * ring           # the compute copies' all-gather (fp32)
+        assert step["h2d"] == sum(4 * cn for _, cn in numels)  # each updated compute copy up once, whole
+    else:
+        compute_bytes = sum(4 * cn for _, cn in numels)
+        assert step["all_gather"] == compute_bytes            # every unit gathered once (all fit the device)
+        assert step["h2d"] == compute_bytes // WORLD           # the own shard up, the rest over the ring
+        assert step["net_device"] == (grad_bytes + compute_bytes) * ring
+        assert step.get("net_host", 0) == 0
+    # The host path moved every gradient over D2H (unpadded): twice the shard's bytes or more.
+    assert s["bytes_moved"]["d2h"] * WORLD <= host["stats"]["bytes_moved"]["d2h"] * 1.05
+    assert s["bytes_moved"]["d2h"] <= 0.55 * host["stats"]["bytes_moved"]["d2h"]
+
+
+@pytest.mark.slow
+def test_device_reduction_matrix(tmp_path):
+    """The whole matrix: stages 2-3 bit for bit against the host path; stages
+    0-1 (the host path by policy) as the single-process reference within rounding."""
+    for case, (dev, host) in zip(MATRIX, _run_both(tmp_path, MATRIX)):
+        if case["stage"] >= 2:
+            _assert_same_bits(case, dev, host)
+        ref_losses, ref_state = reference(case)
+        for i, (a, b) in enumerate(zip(dev["losses"], ref_losses)):
+            assert abs(a - b) <= 1e-5 * abs(b), (case, i, a, b)
+        assert_params_close(dev["state"], ref_state, global_scale=True, lr_steps=LR * case["steps"])
