@@ -296,6 +296,15 @@ class Sharding:
         self._wire(t, False, passes=2)
         return self._ticket(work, t) if async_op else None
 
+    def any_rank_(self, flags: torch.Tensor) -> "CollectiveTicket":
+        """``flags`` (CPU int32) = their maximum over the ranks, on the host
+        group, asynchronously: the ticket. A control message of 4 bytes a
+        slot, not counted with the gradients' bytes (as the norm's sum is not);
+        see [Note: a gradient on any rank is a gradient on every rank] in
+        owners/grad_written.py."""
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.host_group, async_op=True)
+        return CollectiveTicket([work])
+
     def own_param_ranges(self, numel: int, trainable: int) -> List[Tuple[int, int]]:
         """Stage 3: the element ranges of a unit's full compute copy that this
         rank's shard holds (:meth:`_param_regions`); the master shard is the first."""

@@ -35,7 +35,7 @@ from typing import List, Optional
 import torch
 
 from ..faults import UsageError
-from . import grad_errors
+from . import grad_errors, grad_written
 from ..mechanism.nvme import key as swap_key
 from ..plan.state import GradHome, GradState, transition
 from ..plan.units import Layout
@@ -66,6 +66,7 @@ class GradRecord:
     buckets: List[Bucket] = field(default_factory=list)  # device staging (grad_buckets.py)
     bucket_of: List[int] = field(default_factory=list)   # per trainable slot: its bucket, -1 for none
     device: DeviceGrad = field(default_factory=DeviceGrad)  # the device path (grad_device.py)
+    anywhere: Optional[tuple] = None          # the flags' OR over the ranks in flight (grad_written.py)
 
 
 class Gradients:
@@ -257,6 +258,14 @@ class Gradients:
         for t in pending:
             t.wait()
         u.grads.tickets = [t for t in u.grads.tickets if not any(t is w for w in pending)]
+        grad_written.settle(u.grads)
+
+    def written_now(self, u) -> List[bool]:
+        """A copy of ``u``'s written flags, with the slots written on any rank
+        once their all-reduce is in (see [Note: a gradient on any rank is a
+        gradient on every rank] in grad_written.py)."""
+        grad_written.settle(u.grads)
+        return list(u.grads.written)
 
     def drain(self) -> None:
         """Waits for every gradient copy in flight."""
@@ -365,7 +374,8 @@ class Gradients:
             t = self._reduce_on_device(u)
         else:
             t = self._reduce_on_host(u)
-        rec.tickets.append(t)
+        # After the zeros of the slots not written here went into the sum: see grad_written.py.
+        rec.tickets += [t, grad_written.start(rec, self.sharding)]
         rec.reduced = True
         if self.modes.zero >= 2:
             self._reducing.append(u)
@@ -391,6 +401,11 @@ class Gradients:
             self.acquire(u)
             if not spilled:
                 rec.grad.zero_()
+                return self._reduce_host_buffer(rec)
+        self._zero_unwritten(u, rec.grad)  # their pool bytes are stale: the sum must see zeros
+        return self._reduce_host_buffer(rec)
+
+    def _reduce_host_buffer(self, rec):
         if not self.modes.zero:  # plain data parallelism: every rank keeps the sum
             return self.sharding.all_reduce_(rec.grad, async_op=True)
         return self.sharding.reduce_scatter(rec.shard, rec.grad, async_op=True)
@@ -433,6 +448,12 @@ class Gradients:
         if buf is None:  # NVMe optimizer state: a transient buffer, maybe spilled
             return self._fill_spilled(u, kept)
         self._zero_slots(u, buf, kept)
+
+    def _zero_unwritten(self, u, buf: torch.Tensor) -> None:
+        slots = u.layout.trainable_slots
+        for ti, w in enumerate(u.grads.written):
+            if not w:
+                buf[slots[ti].offset:slots[ti].offset + slots[ti].numel].zero_()
 
     def _zero_slots(self, u, buf: torch.Tensor, kept: List[int]) -> None:
         self.wait(u)
@@ -483,6 +504,7 @@ class Gradients:
         rec = u.grads
         self.device_tier.sub_transient(drop_full(rec.device))  # a window discarded before its reduction
         rec.reduced = False
+        grad_written.settle(rec)  # before the flags are reset: none may land in the next window
         if rec.state is GradState.ACCUMULATING:
             rec.state = transition(u.name, "grad", rec.state, GradState.CLEAN)
         rec.written = [False] * len(rec.written)

@@ -350,7 +350,7 @@ class BackwardSchedule(StepSchedule):
         if spec is not None and not spec.reserve(u):
             return False  # waits for step()
         self._closing = True
-        grad, written = p.grads.update_input(u), list(u.grads.written)
+        grad, written = p.grads.update_input(u), p.grads.written_now(u)
         # Gradients are sums over the data-parallel ranks; see [Note: speculative updates] in speculate.py.
         scale = 1.0 / p.sharding.world if spec is None else spec.scale
         if self._hyper is None:  # See [Note: hyper-parameters of early updates]
