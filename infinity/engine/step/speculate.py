@@ -58,6 +58,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..plan.opt_kinds import kind_dtype, kind_numel, state_kinds
 from ..plan.placement import nbytes, undo_bytes
 
 __all__ = ["Speculation", "MAX_BACKOFF"]
@@ -70,9 +71,7 @@ class _Undo:
     """One unit's undo state: views into one pool buffer ``buf``."""
 
     buf: object
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    state: Dict[str, torch.Tensor]  # kind -> its copy: master, moments (int8: and scales)
     compute: torch.Tensor
     steps: Optional[List[int]] = None  # the slots' step counts, once saved
 
@@ -115,10 +114,14 @@ class Speculation:
             self._warn_room(u)
             return False
         raw, buf = got
-        sn, tn = u.place.state_numel, u.place.trainable_numel
-        f32 = raw[:12 * sn].view(torch.float32)
-        comp = raw[12 * sn:12 * sn + nbytes(tn, p.modes.dtype)].view(p.modes.dtype)
-        self._undo[u.index] = _Undo(buf, f32[:sn], f32[sn:2 * sn], f32[2 * sn:], comp)
+        sn, tn, md = u.place.state_numel, u.place.trainable_numel, p.modes.moment_dtype
+        state, at = {}, 0
+        for kind in state_kinds(md):  # each starts on 4 bytes: sn is a multiple of 32
+            dt = kind_dtype(kind, md)
+            n = nbytes(kind_numel(kind, sn), dt)
+            state[kind], at = raw[at:at + n].view(dt), at + n
+        comp = raw[at:at + nbytes(tn, p.modes.dtype)].view(p.modes.dtype)
+        self._undo[u.index] = _Undo(buf, state, comp)
         return True
 
     def save(self, u) -> None:
@@ -127,9 +130,8 @@ class Speculation:
         d, o = self._undo[u.index], u.opt
         if d.steps is not None:
             return
-        d.master.copy_(o.master)
-        d.exp_avg.copy_(o.exp_avg)
-        d.exp_avg_sq.copy_(o.exp_avg_sq)
+        for kind, t in d.state.items():
+            t.copy_(getattr(o, kind))
         d.compute.copy_(self.p.host_cache.home(u)[:d.compute.numel()])
         d.steps = [s.step for s in u.layout.trainable_slots]
 
@@ -194,9 +196,8 @@ class Speculation:
                 continue  # its update never started (a fault before it)
             p.fence.wait_unit(u)
             o = u.opt
-            o.master.copy_(d.master)
-            o.exp_avg.copy_(d.exp_avg)
-            o.exp_avg_sq.copy_(d.exp_avg_sq)
+            for kind, t in d.state.items():
+                getattr(o, kind).copy_(t)
             if compute:
                 comp = p.host_cache.open_for_update(u)
                 try:
