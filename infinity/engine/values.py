@@ -268,6 +268,11 @@ class Values:
         None if it has none. Collective under ZeRO: every rank calls it."""
         return self.read_compute(u) if kind == "compute" else self.p.optstate.read(u, kind)
 
+    def read_stored(self, u, kind: str) -> Optional[torch.Tensor]:
+        """:meth:`read`, with optimizer state of any kind in its stored dtype
+        (bf16 moments, int8 codes and their scales: what a checkpoint keeps)."""
+        return self.read_compute(u) if kind == "compute" else self.p.optstate.read_raw(u, kind)
+
     def read_detached(self, u, kind: str) -> Optional[torch.Tensor]:
         """:meth:`read` for a reader on another thread while training runs (a
         background save; ZeRO stage 0, one rank). Updates wait for it
@@ -283,7 +288,7 @@ class Values:
             return t if kind == "compute" else t[:u.place.trainable_numel]
         if p.modes.opt_nvme:
             return p.optstate.read_home(u, kind) if u.place.trainable else None
-        return self.read(u, kind)
+        return self.read_stored(u, kind)
 
     def _compute_detached(self, u) -> Optional[torch.Tensor]:
         """``u``'s host compute copy for a reader on another thread: a copy
