@@ -50,7 +50,8 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                                   offload_params=case.get("params", "host"), overlap=case.get("overlap", "step"),
                                   offload_optimizer=case.get("opt", "host"),
                                   swap_paths=[os.path.join(out_dir, f"swap{ci}")],
-                                  max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1))
+                                  max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1),
+                                  moment_dtype=case.get("moment_dtype", "fp32"))
             with _emulated(case.get("emulate", False)) as movers:  # the CUDA-ordering emulator (issue 36)
                 model, opt = infinity.initialize(small_gpt(n_layer=case.get("layers", 8)), cfg, lr=1e-3,
                                                  weight_decay=0.1, process_group=group)
@@ -72,10 +73,11 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                 losses.append(t.item() / gworld)
                 norms.append(opt.last_grad_norm)
             full = infinity.full_state_dict(model)  # collective: every rank of the group calls it
+            osd = opt.state_dict() if "moment_dtype" in case else None  # collective too
             s = infinity.stats(model)
             s["emulated_copies"] = sum(st.ran for m in movers or [] for st in m.streams)
             if grank == 0:
-                torch.save({"losses": losses, "norms": norms, "state": full, "stats": s},
+                torch.save({"losses": losses, "norms": norms, "state": full, "stats": s, "optimizer": osd},
                            os.path.join(out_dir, f"case{ci}{suffix}.pt"))
             infinity.close(model)
     finally:
