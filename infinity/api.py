@@ -263,7 +263,11 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     progress.py; times tokens/s gives model FLOP/s, see ``infinity.on_steps``);
     ``step_seconds`` (the last step's wall time, end of the previous
     ``step()`` to the end of this one) and ``predicted_step`` (None, or the
-    prediction given to :func:`set_step_prediction`).
+    prediction given to :func:`set_step_prediction`);
+    ``state_bytes`` (bytes kept for good in memory per kind of optimizer
+    state: master, moments, int8 moments' scales, gradients) and
+    ``nvme_state_bytes`` (what the swap files hold of each kind), in
+    ``moment_dtype`` (Config.moment_dtype).
     """
     eng = engine_of(model)
     s = eng.stats
@@ -296,6 +300,8 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "units": len(eng.units),
         "loss_scale": opt.loss_scale if opt is not None else 1.0,
         "state_bytes": eng.state_bytes(),
+        "nvme_state_bytes": eng.optstate.nvme_bytes(),
+        "moment_dtype": eng.modes.moment_dtype,
         "zero_stage": eng.modes.zero,
         "world_size": eng.sharding.world,
         "host_pinned": eng.room.tier.pinned,

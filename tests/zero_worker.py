@@ -72,7 +72,8 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                                   offload_params=case.get("params", "host"), overlap=case.get("overlap", "step"),
                                   offload_optimizer=case.get("opt", "host"),
                                   swap_paths=[os.path.join(out_dir, f"swap{ci}")],
-                                  max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1))
+                                  max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1),
+                                  moment_dtype=case.get("moment_dtype", "fp32"))
             with _emulated(case.get("emulate", False)) as movers, _reduce_on(case.get("reduce")):
                 model, opt = infinity.initialize(model_of(case), cfg, lr=1e-3, weight_decay=0.1, process_group=group)
             accum, steps = case.get("accum", 1), case["steps"]
@@ -93,13 +94,14 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                 losses.append(t.item() / gworld)
                 norms.append(opt.last_grad_norm)
             full = infinity.full_state_dict(model)  # collective: every rank of the group calls it
+            osd = opt.state_dict() if "moment_dtype" in case else None  # collective too
             s = infinity.stats(model)
             s["emulated_copies"] = sum(st.ran for m in movers or [] for st in m.streams)
             eng = infinity.api.engine_of(model)
             s["unit_numels"] = [(u.place.trainable_numel, u.place.compute_numel) for u in eng.units]
             s["reduce_on_device"] = eng.modes.reduce_on_device
             if grank == 0:
-                torch.save({"losses": losses, "norms": norms, "state": full, "stats": s},
+                torch.save({"losses": losses, "norms": norms, "state": full, "stats": s, "optimizer": osd},
                            os.path.join(out_dir, f"case{ci}{suffix}.pt"))
             infinity.close(model)
     finally:

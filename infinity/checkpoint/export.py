@@ -30,6 +30,8 @@ from .safetensors_io import ShardWriter, record_dtype, split_shards
 __all__ = ["export_pretrained", "consolidate", "INDEX_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
+# The optimizer's tensors in a checkpoint (moments; int8 moments' scales): not weights.
+OPTIMIZER_PREFIXES = ("exp_avg.", "exp_avg_sq.", "exp_avg_scale.", "exp_avg_sq_scale.")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -161,7 +163,7 @@ def consolidate(checkpoint, out_dir, *, dtype: Union[str, torch.dtype] = "bf16",
     ckpt = layout.resolve(checkpoint)
     m = read_manifest(ckpt)  # every name, offset and length checked; then the files' sizes, before any read
     check_files(ckpt, m)
-    recs = sorted(((n, r) for n, r in m["tensors"].items() if not n.startswith(("exp_avg.", "exp_avg_sq."))),
+    recs = sorted(((n, r) for n, r in m["tensors"].items() if not n.startswith(OPTIMIZER_PREFIXES)),
                   key=lambda nr: (nr[1]["file"], nr[1]["offset"]))
     with ManifestFiles(ckpt) as files:
         items = [(n, record_dtype(r), tuple(r["shape"]),

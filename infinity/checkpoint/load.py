@@ -31,6 +31,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..optim.functional import group_hyper
+from .moment_loads import checkpoint_moment_dtype, load_moments, warn_if_converted
 from . import layout, owner, rng
 from .plan import Plan, plan_checkpoint
 from .direct_stream import DirectReader
@@ -79,7 +80,8 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
     eng.faults.check("infinity.load_checkpoint()")
     plan = plan_checkpoint(model, eng, exclude_frozen=bool(m.get("exclude_frozen")))
     plan.check_between_steps("load_checkpoint")
-    _check_names_and_shapes(ckpt, m, plan, strict)
+    ckpt_md = checkpoint_moment_dtype(ckpt, m)
+    _check_names_and_shapes(ckpt, m, plan, strict, ckpt_md)
     _check_groups(m, plan, optimizer, strict)
     _check_scheduler(ckpt, m, lr_scheduler, strict)
     states = m.get("rng") or {}
@@ -87,8 +89,9 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
     rng.check(own_rng, f"{os.path.join(ckpt, layout.MANIFEST)}: rng")
     # [Note: a load is all or nothing] Nothing has changed up to here; from
     # here on, an error fails the engine.
+    warn_if_converted(ckpt, ckpt_md, eng.modes.moment_dtype)
     with eng.faults.guard(f"infinity.load_checkpoint({ckpt!r})"):
-        _load_tensors(eng, ckpt, m, plan)
+        _load_tensors(eng, ckpt, m, plan, ckpt_md)
         _load_small_state(m, optimizer, lr_scheduler, own_rng)
     return m.get("extra")
 
@@ -123,13 +126,15 @@ def pick_checkpoint(path) -> Tuple[str, dict]:
                                  "nothing was loaded")
 
 
-def _load_tensors(eng, ckpt: str, m: dict, plan: Plan) -> None:
+def _load_tensors(eng, ckpt: str, m: dict, plan: Plan, ckpt_md: str) -> None:
     """Every unit's values, moments and step counts, then the buffers (under the engine's guard)."""
     with ManifestFiles(ckpt) as files:
-        with UnitLoads(eng, plan, m, files) as loads:  # [Note: staged unit loads]
+        # [Note: staged unit loads]; moments other than fp32: [Note: moments in their own dtype]
+        with UnitLoads(eng, plan, m, files, moments=ckpt_md == "fp32") as loads:
             for staged in loads:
                 loads.scratch.reset()
-                _write_unit(eng, staged, plan, m, loads.scratch)
+                _write_unit(eng, staged, plan, m, loads.scratch,
+                            None if ckpt_md == "fp32" else lambda u: load_moments(eng, u, plan, m, files, ckpt_md))
         for key, b in plan.buffers.items():
             rec = m["tensors"].get(key)
             if rec is not None:
@@ -137,9 +142,10 @@ def _load_tensors(eng, ckpt: str, m: dict, plan: Plan) -> None:
                     b.copy_(files.read(rec, record_dtype(rec), b.shape))
 
 
-def _check_names_and_shapes(ckpt: str, m: dict, plan: Plan, strict: bool) -> None:
+def _check_names_and_shapes(ckpt: str, m: dict, plan: Plan, strict: bool, ckpt_md: str) -> None:
     tensors = m.get("tensors", {})
-    want = {name: shape for name, _, shape, _ in plan.model_items + plan.optim_items}
+    want = {name: shape for name, _, shape, _ in plan.model_items}
+    want.update(plan.moment_shapes(ckpt_md))  # the checkpoint's moments, whatever this run keeps
     missing = sorted(set(want) - set(tensors))
     unexpected = sorted(set(tensors) - set(want))
     if strict and (missing or unexpected):
@@ -275,14 +281,19 @@ class ManifestFiles:
                            out)
 
 
-def _write_unit(eng, staged, plan: Plan, m: dict, scratch) -> None:
-    """One unit's values (master or compute copy), moments and step counts into its tiers."""
+def _write_unit(eng, staged, plan: Plan, m: dict, scratch, moments=None) -> None:
+    """One unit's values (master or compute copy), moments and step counts
+    into its tiers; ``moments(u)`` loads the moments where they are not
+    staged (not fp32 in the checkpoint)."""
     u = staged.u
     if staged.values:
         eng.values.write(u, staged.values, scratch)
     if not u.place.trainable:
         return
-    eng.optstate.write_moments_from(u, staged.moment)
+    if moments is not None:
+        moments(u)
+    else:
+        eng.optstate.write_moments_from(u, staged.moment)
     steps = m.get("param_steps", {})
     for s in u.layout.trainable_slots:
         s.step = int(steps.get(plan.names[id(s.param)], s.step))

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..engine.faults import UsageError
+from ..engine.plan.opt_kinds import QBLOCK, kind_dtype, kind_numel, state_kinds
 from ..engine.plan.state import GradState
 from .safetensors_io import nbytes
 
@@ -72,6 +73,16 @@ class Plan:
         seen = {u.index for u in first}
         return first + [u for u in self.eng.units if u.index not in seen]
 
+    @property
+    def moment_dtype(self) -> str:
+        """The moments' stored dtype (Config.moment_dtype), as the manifest records it."""
+        return self.eng.modes.moment_dtype
+
+    def moment_shapes(self, moment_dtype: str) -> Dict[str, Tuple[int, ...]]:
+        """Name -> shape of the optimizer tensors a checkpoint of ``moment_dtype`` holds for this model."""
+        return {f"{kind}.{self.names[id(s.param)]}": _kind_shape(kind, s)
+                for u in self.eng.units for kind in state_kinds(moment_dtype)[1:] for s in u.layout.trainable_slots}
+
     def param_steps(self) -> Dict[str, int]:
         return {self.names[id(s.param)]: int(s.step) for u in self.eng.units for s in u.layout.trainable_slots}
 
@@ -127,10 +138,16 @@ def _unit_items(plan: Plan, u, exclude_frozen: bool) -> None:
                 continue
             plan.model_items.append((plan.names[id(s.param)], dtype_of[kind], tuple(s.shape),
                                      SlotSource(plan.reader, u, kind, s)))
-    for kind in ("exp_avg", "exp_avg_sq"):
+    md = plan.eng.modes.moment_dtype  # stored as they are: int8 codes with their scales
+    for kind in state_kinds(md)[1:]:
         for s in u.layout.trainable_slots:
-            plan.optim_items.append((f"{kind}.{plan.names[id(s.param)]}", torch.float32, tuple(s.shape),
+            plan.optim_items.append((f"{kind}.{plan.names[id(s.param)]}", kind_dtype(kind, md), _kind_shape(kind, s),
                                      SlotSource(plan.reader, u, kind, s)))
+
+
+def _kind_shape(kind: str, s) -> Tuple[int, ...]:
+    """A slot's tensor of ``kind``: the parameter's shape, or its int8 scales' (a scale per block)."""
+    return tuple(s.shape) if kind in ("master", "compute", "exp_avg", "exp_avg_sq") else (kind_numel(kind, s.numel),)
 
 
 class SlotSource:
@@ -162,7 +179,7 @@ class UnitReader:
         self._units: Dict[tuple, object] = {}
         self._ahead: Optional[tuple] = None  # (key, future)
         self._pool = None
-        self.read = eng.values.read  # (unit, kind) -> buffer; a background save's copies what eviction could recycle
+        self.read = eng.values.read_stored  # (unit, kind) -> buffer; a background save's copies what eviction could recycle
 
     def expect(self, items) -> None:
         """The order the buffers of ``items`` (a plan's item list) will be asked for."""
@@ -185,6 +202,9 @@ class UnitReader:
             self._buf = self._take(key)
             self._key = key
             self._read_next(key)
+        if kind.endswith("_scale"):  # int8 scales: the slot starts on a block (opt_kinds.slot_align)
+            a = s.offset // QBLOCK
+            return self._buf[a:a + kind_numel(kind, s.numel)]
         return self._buf[s.offset:s.offset + s.numel].view(s.shape)
 
     @property

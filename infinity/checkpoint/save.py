@@ -8,7 +8,10 @@ whichever tier holds it into safetensors shards and a JSON manifest.
   rounded), frozen ones as their compute copy; then the persistent buffers.
   Readable with plain ``safetensors``.
 - ``optimizer-*.safetensors``: ``exp_avg.<name>`` and ``exp_avg_sq.<name>``
-  of every trainable parameter (fp32).
+  of every trainable parameter in the run's ``moment_dtype`` (the manifest's
+  ``moment_dtype``): fp32, bf16, or int8 codes (uint8; exp_avg_sq as codes
+  of its square root) with ``exp_avg_scale.<name>`` and
+  ``exp_avg_sq_scale.<name>`` (fp32, a scale per 256 elements).
 - ``manifest.json``: format version; per tensor its file, dtype, shape,
   offset, length and CRC32C; each parameter's Adam step count; the param
   groups' hyper-parameters by parameter name; the LR scheduler's and the fp16
@@ -360,6 +363,7 @@ def _manifest_head(eng, optimizer, plan: Plan, lr_scheduler, extra, step: int, e
     return {
         "format": "infinity-checkpoint", "version": layout.FORMAT_VERSION, "step": step, "saved_at": time.time(),
         "world_size": eng.sharding.world, "zero_stage": eng.modes.zero, "config": eng.config.to_dict(),
+        "moment_dtype": plan.moment_dtype,
         "exclude_frozen": exclude_frozen, "aliases": plan.aliases, "param_steps": plan.param_steps(),
         "param_groups": plan.param_groups(optimizer), "lr_scheduler": sched, "extra": extra,
         "loss_scaler": {"loss_scale": optimizer.scaling.loss_scale, "good_steps": optimizer.scaling.good_steps},

@@ -142,8 +142,9 @@ class UnitLoads:
     yielded unit's tensors stay valid until the next one is asked for. Use
     as a context manager: leaving it waits for a read still in flight."""
 
-    def __init__(self, eng, plan, m: dict, files):
+    def __init__(self, eng, plan, m: dict, files, moments: bool = True):
         self.eng, self.plan, self.tensors, self.files = eng, plan, m["tensors"], files
+        self.moments = moments  # False: the moments are not fp32, moment_loads.py loads them
         self.value_bytes = max((self._value_bytes(u) for u in eng.units), default=0)
         self.moment_numel = max((u.place.trainable_numel for u in eng.units), default=0)
         self.ahead = len(eng.units) > 1 and self.value_bytes + 8 * self.moment_numel <= AHEAD_BYTES
@@ -225,7 +226,7 @@ class UnitLoads:
                 else:
                     reads += self._read_ranges(rec, s, ranges, view.view(-1))
                 out.values[i] = view
-        tn = u.place.trainable_numel
+        tn = u.place.trainable_numel if self.moments else 0
         for kind in KINDS if tn else ():
             if direct[kind] is not None:
                 out.moments[kind] = self._start_moments(u, kind, direct[kind], reads)

@@ -201,7 +201,9 @@ class _Mapper:
         }
         if key == "enabled":
             return
-        if key in loss_keys:
+        if key == "bf16_optimizer_states" and name == "bf16":
+            self.bf16_states(path, value)
+        elif key in loss_keys:
             fieldname, v = loss_keys[key]()
             if name == "bf16":
                 self.r.ignored[path] = "bf16 needs no loss scaling"
@@ -212,6 +214,18 @@ class _Mapper:
             self.r.ignored[path] = FP_IGNORED[key]
         else:
             self.r.unknown[path] = "not a DeepSpeed key" + nearest(key, ["enabled", *loss_keys, *FP_IGNORED])
+
+    def bf16_states(self, path: str, value: Any) -> None:
+        """DeepSpeed's ``bf16.bf16_optimizer_states`` (deepspeed/runtime/precision_config.py,
+        PR #8010: Adam moments kept in bf16) is ``Config.moment_dtype="bf16"``
+        where bf16 is enabled; infinity's master stays fp32 (DeepSpeed also
+        needs ``bf16_master_weights_and_grads``, ignored here)."""
+        if not ds_bool(path, value):
+            self.r.ignored[path] = "false: the moments stay fp32 (Config.moment_dtype='fp32')"
+        elif self.kw.get("dtype") != "bf16":
+            self.r.ignored[path] = "bf16 is not enabled, so DeepSpeed keeps fp32 optimizer states"
+        else:
+            self.set(path, "moment_dtype", "bf16")
 
     def zero(self, path: str, z: Any) -> None:
         if isinstance(z, bool):  # DeepSpeed's deprecated form: true is stage 1

@@ -109,6 +109,7 @@ KINDS = {
          "stage3_allgather_sequential", "use_multi_rank_bucket_allreduce", "pin_memory", "pipeline_read",
          "pipeline_write", "pipeline", "fast_init", "single_submit", "overlap_events", "use_gds",
          "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads", "immediate_grad_update",
+         "bf16_master_weights_and_grads", "bf16_optimizer_states",
          "check_grad_overflow", "wall_clock_breakdown", "zero_allow_untested_optimizer",
          "zero_force_ds_cpu_optimizer", "memory_breakdown", "prescale_gradients", "sparse_gradients",
          "dataloader_drop_last", "dump_state", "torch_adam", "fused"), lambda p, v: ds_bool(p, v)),

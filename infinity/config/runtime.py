@@ -33,6 +33,7 @@ def format_bytes(n: float) -> str:
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _OFFLOAD = ("none", "host", "nvme")
 _OVERLAP = ("step", "backward", "delayed")
+_MOMENT_DTYPES = ("fp32", "bf16", "int8")  # infinity.optim.moments.MOMENT_DTYPES (config sits below optim)
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> str:
@@ -60,6 +61,10 @@ class Config:
         on the device), ``"host"`` or ``"nvme"``.
     offload_optimizer: home of fp32 master weights, gradients and Adam
         moments: ``"none"`` (device), ``"host"`` (CPU AdamW) or ``"nvme"``.
+    moment_dtype: how the Adam moments are stored: ``"fp32"`` (torch's, 8
+        bytes a parameter), ``"bf16"`` (4 bytes) or ``"int8"`` (block-scaled
+        8-bit codes, 256 elements a block with an fp32 scale: ~2.03 bytes).
+        Needs ``offload_optimizer`` ``"host"`` or ``"nvme"``.
     swap_paths: directories for NVMe swap files (one or more; bandwidth
         adds up across devices). Default ``["./infinity-swap"]``.
     swap_block_size: bytes per I/O request to the swap files (multiple of 4 KiB).
@@ -101,6 +106,7 @@ class Config:
     host_memory: Optional[Union[int, str]] = None
     offload_params: str = "host"
     offload_optimizer: str = "host"
+    moment_dtype: str = "fp32"
     swap_paths: Sequence[str] = field(default_factory=lambda: ["./infinity-swap"])
     swap_block_size: Union[int, str] = "8MiB"
     swap_queue_depth: int = 16
@@ -162,6 +168,7 @@ class Config:
         _choice("offload_params", self.offload_params, _OFFLOAD)
         _choice("offload_optimizer", self.offload_optimizer, _OFFLOAD)
         _choice("overlap", self.overlap, _OVERLAP)
+        _choice("moment_dtype", self.moment_dtype, _MOMENT_DTYPES)
         for name in ("device_memory", "host_memory", "prefetch_bytes"):
             v = getattr(self, name)
             if v is not None:
@@ -236,6 +243,9 @@ class Config:
         if self.overlap == "delayed" and "nvme" in (self.offload_params, self.offload_optimizer):
             raise ValueError("Config.overlap='delayed' is not available with 'nvme' offload; use 'step' or "
                              "'backward'")
+        if self.moment_dtype != "fp32" and self.offload_optimizer == "none":
+            raise ValueError(f"Config.moment_dtype={self.moment_dtype!r} needs offload_optimizer 'host' or 'nvme' "
+                             "(the CPU AdamW keeps low-bit moments; the device optimizer is torch's fp32 one)")
         if self.offload_optimizer == "none" and self.offload_params == "nvme":
             raise ValueError("Config: offload_params='nvme' needs offload_optimizer='host' or 'nvme' (the "
                              "optimizer writes the new compute copy on the host, from where it goes to NVMe)")

@@ -38,6 +38,7 @@ from .mechanism.host_room import HostRoom
 from .mechanism.tiers import HostTier, host_budget
 from .plan.trace import Trace
 from .plan.units import build_units
+from .plan.opt_kinds import slot_align
 from .values import Values
 from .mechanism.zero import Sharding
 
@@ -61,7 +62,8 @@ class Engine:
                          for n, p in model.named_parameters(remove_duplicate=False)})
             self.sharding.check_same(desc)
         self.modes = modes_of(config, self.sharding.world, self.device)
-        self.units = build_units(model, config.unit_classes, group_of, self.sharding.shards)
+        self.units = build_units(model, config.unit_classes, group_of, self.sharding.shards,
+                                 slot_align(config.moment_dtype))
         for u in self.units:
             u.place = place_unit(u.layout, self.modes)
         self.param_slot = {id(s.param): (u, i) for u in self.units for i, s in enumerate(u.layout.slots)}

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from .mechanism.nvme import key as swap_key
+from .plan.opt_kinds import kind_dtype, kind_numel, state_kinds
 from .plan.state import OptState
 from .plan.units import Layout
 
@@ -113,7 +114,8 @@ class Values:
             p.grads.set_permanent(u, p.room.alloc(tn, f32) if m.zero == 1 else None, shard=shard)
             return torch.zeros(tn, dtype=f32)  # the own shard goes to NVMe (see _fill)
         if m.host_optimizer:
-            st = [p.room.alloc(sn, f32) for _ in range(3)]
+            # [Note: low-bit moments in the engine] in opt_kinds.py: zeros are moments of zero.
+            st = [p.room.alloc(kind_numel(k, sn), kind_dtype(k, m.moment_dtype)) for k in state_kinds(m.moment_dtype)]
             p.optstate.set_resident(u, *st)
             if m.zero:  # See [Note: ZeRO shards in infinity].
                 p.grads.set_permanent(u, p.room.alloc(tn, f32) if m.zero == 1 else None,
@@ -266,6 +268,11 @@ class Values:
         None if it has none. Collective under ZeRO: every rank calls it."""
         return self.read_compute(u) if kind == "compute" else self.p.optstate.read(u, kind)
 
+    def read_stored(self, u, kind: str) -> Optional[torch.Tensor]:
+        """:meth:`read`, with optimizer state of any kind in its stored dtype
+        (bf16 moments, int8 codes and their scales: what a checkpoint keeps)."""
+        return self.read_compute(u) if kind == "compute" else self.p.optstate.read_raw(u, kind)
+
     def read_detached(self, u, kind: str) -> Optional[torch.Tensor]:
         """:meth:`read` for a reader on another thread while training runs (a
         background save; ZeRO stage 0, one rank). Updates wait for it
@@ -281,7 +288,7 @@ class Values:
             return t if kind == "compute" else t[:u.place.trainable_numel]
         if p.modes.opt_nvme:
             return p.optstate.read_home(u, kind) if u.place.trainable else None
-        return self.read(u, kind)
+        return self.read_stored(u, kind)
 
     def _compute_detached(self, u) -> Optional[torch.Tensor]:
         """``u``'s host compute copy for a reader on another thread: a copy

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from typing import Optional
 
@@ -52,7 +53,11 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config.runtime import Config
 from ..engine.faults import UsageError
 
-__all__ = ["InfinityTrainer", "CHECKPOINT_SUBDIR"]
+__all__ = ["InfinityTrainer", "CHECKPOINT_SUBDIR", "EIGHT_BIT_OPTIMS"]
+
+log = logging.getLogger("infinity")
+# The Trainer's 8-bit AdamW choices (TrainingArguments.optim): infinity's AdamW with int8 moments.
+EIGHT_BIT_OPTIMS = ("adamw_bnb_8bit", "adamw_torch_8bit", "adamw_8bit", "paged_adamw_8bit")
 
 CHECKPOINT_SUBDIR = "infinity"  # inside the Trainer's checkpoint-N folder
 # A clipping bound no finite norm reaches: the clip coefficient min(bound / (norm + 1e-6), 1)
@@ -199,7 +204,22 @@ def _with_trainer_args(cfg: Config, args) -> Config:
                          f"TrainingArguments.gradient_accumulation_steps={accum}: the Trainer steps every {accum} "
                          "micro-batches; leave the Config's at 1 or make them equal")
     return dataclasses.replace(cfg, max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm is not None else clip,
-                               grad_accumulation_steps=accum)
+                               grad_accumulation_steps=accum, moment_dtype=_moment_dtype(cfg, args))
+
+
+def _moment_dtype(cfg: Config, args) -> str:
+    """``Config.moment_dtype``, or "int8" for the Trainer's 8-bit AdamW
+    (``TrainingArguments.optim`` in EIGHT_BIT_OPTIMS), said in a log line; a
+    Config asking for other moments than the Trainer's raises."""
+    optim = getattr(args.optim, "value", args.optim)
+    if optim not in EIGHT_BIT_OPTIMS:
+        return cfg.moment_dtype
+    if cfg.moment_dtype not in ("fp32", "int8"):
+        raise UsageError(f"InfinityTrainer: TrainingArguments.optim={optim!r} (8-bit moments) but "
+                         f"Config.moment_dtype={cfg.moment_dtype!r}; set one of them")
+    log.info("InfinityTrainer: TrainingArguments.optim=%r runs infinity's AdamW with Config.moment_dtype='int8' "
+             "(block-scaled 8-bit moments on the host, see docs/config.md)", optim)
+    return "int8"
 
 
 def _decay_groups(model, weight_decay: float) -> list:

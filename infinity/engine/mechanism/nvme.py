@@ -122,6 +122,10 @@ class NvmeTier:
                 if self._writes.get(k) is w:
                     del self._writes[k]
 
+    def bytes_of(self, keys) -> int:
+        """Bytes the swap files hold for ``keys`` (as first written; 0 for a key never written)."""
+        return sum(self._sizes.get(k, 0) for k in keys)
+
     def __contains__(self, k: Hashable) -> bool:
         return k in self.store
 

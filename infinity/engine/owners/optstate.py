@@ -15,14 +15,16 @@ from typing import Optional
 
 import torch
 
+from ...optim import moments as qmoments
 from ..mechanism.nvme import key as swap_key
+from ..plan.opt_kinds import MASTER_KINDS, kind_dtype, kind_numel, scale_kind, state_kinds
 from ..plan.placement import nbytes, round_pool
 from ..plan.state import OptState, transition
 from ..mechanism.tiers import BudgetError
 
-__all__ = ["OptRecord", "OptimizerState", "KINDS"]
+__all__ = ["OptRecord", "OptimizerState", "KINDS", "to_fp32", "encode_moment"]
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+KINDS = MASTER_KINDS  # and the int8 scales: plan/opt_kinds.state_kinds
 
 
 @dataclass
@@ -33,6 +35,8 @@ class OptRecord:
     master: Optional[torch.Tensor] = None
     exp_avg: Optional[torch.Tensor] = None
     exp_avg_sq: Optional[torch.Tensor] = None
+    exp_avg_scale: Optional[torch.Tensor] = None     # int8 moments: fp32 scale per block
+    exp_avg_sq_scale: Optional[torch.Tensor] = None
     bufs: list = field(default_factory=list)  # pool handles while checked out (or read ahead)
     pending: Optional[list] = None            # reads of a read-ahead not claimed yet
     fresh: bool = False                       # NVMe moments never written: they are zeros
@@ -46,6 +50,8 @@ class OptimizerState:
     def __init__(self, units, modes, room, cache, nvme, sharding):
         self.units, self.modes, self.room, self.host_cache = units, modes, room, cache
         self.nvme, self.sharding = nvme, sharding
+        self.moment_dtype = modes.moment_dtype
+        self.kinds = state_kinds(self.moment_dtype)  # [Note: low-bit moments in the engine] in opt_kinds.py
         for u in units:
             u.opt = OptRecord()
 
@@ -56,10 +62,11 @@ class OptimizerState:
 
     # -- placement ------------------------------------------------------------------------
 
-    def set_resident(self, u, master, exp_avg, exp_avg_sq) -> None:
-        """Master and moments kept in memory for good (host or device)."""
+    def set_resident(self, u, master, exp_avg, exp_avg_sq, exp_avg_scale=None, exp_avg_sq_scale=None) -> None:
+        """Master and moments (and int8 moments' scales) kept in memory for good (host or device)."""
         o = u.opt
         o.master, o.exp_avg, o.exp_avg_sq = master, exp_avg, exp_avg_sq
+        o.exp_avg_scale, o.exp_avg_sq_scale = exp_avg_scale, exp_avg_sq_scale
         o.state = transition(u.name, "optimizer state", o.state, OptState.RESIDENT)
 
     def resident_view(self, u, kind: str) -> Optional[torch.Tensor]:
@@ -104,17 +111,18 @@ class OptimizerState:
     def _read(self, u) -> list:
         """Host buffers for ``u``'s state and the reads filling them (with the host room's lock)."""
         o, tn = u.opt, u.place.state_numel
-        handles, bufs, kinds = [], [], KINDS
+        handles, bufs, kinds = [], [], self.kinds
         if u.place.aliased:
             # The master is the cached compute copy, held until checkin.
             comp, read = self.host_cache.lock_master(u)
             if read is not None:
                 handles.append(read)
             o.master = comp[:tn]
-            kinds = KINDS[1:]
+            kinds = kinds[1:]
         for kind in kinds:
             fresh = kind != "master" and o.fresh
-            t, buf = self.room.acquire(tn, torch.float32, zero=fresh, protect=u)
+            t, buf = self.room.acquire(kind_numel(kind, tn), kind_dtype(kind, self.moment_dtype), zero=fresh,
+                                       protect=u)
             setattr(o, kind, t)
             bufs.append(buf)
             if not fresh:
@@ -130,7 +138,7 @@ class OptimizerState:
         if o.state is OptState.RESIDENT:
             return
         sums = sums or {}
-        kinds = KINDS[1:] if u.place.aliased else KINDS
+        kinds = self.kinds[1:] if u.place.aliased else self.kinds
         for kind, buf in zip(kinds, o.bufs):
             h = self.nvme.write(swap_key(u.index, kind), getattr(o, kind), sums.get(kind))
             self.room.defer_release(h, buf)
@@ -161,7 +169,7 @@ class OptimizerState:
     def _forget(self, u) -> None:
         o = u.opt
         o.bufs, o.pending = [], None
-        o.master = o.exp_avg = o.exp_avg_sq = None
+        o.master = o.exp_avg = o.exp_avg_sq = o.exp_avg_scale = o.exp_avg_sq_scale = None
         if o.state is not OptState.HOME:
             o.state = transition(u.name, "optimizer state", o.state, OptState.HOME)
 
@@ -201,8 +209,9 @@ class OptimizerState:
             return True
 
     def _read_ahead_bytes(self, u) -> int:
-        p = u.place
-        need = (2 if p.aliased else 3) * round_pool(nbytes(p.state_numel, torch.float32))
+        p, md = u.place, self.moment_dtype
+        need = sum(round_pool(nbytes(kind_numel(k, p.state_numel), kind_dtype(k, md)))
+                   for k in (self.kinds[1:] if p.aliased else self.kinds))
         if p.aliased and u.host.compute is None:
             need += round_pool(nbytes(p.compute_numel, self.modes.dtype))
         return need + round_pool(nbytes(p.trainable_numel, torch.float32))  # the gradients arriving meanwhile
@@ -224,10 +233,19 @@ class OptimizerState:
 
     @torch.no_grad()
     def read(self, u, kind: str) -> Optional[torch.Tensor]:
-        """``u``'s full ``kind`` ("master", "exp_avg", "exp_avg_sq") as a CPU
-        (or device) tensor from wherever it lives: the buffer itself, or a
-        temporary (gathered over the ranks under ZeRO: every rank calls
-        this); None if the unit has no optimizer state."""
+        """``u``'s full ``kind`` ("master", "exp_avg", "exp_avg_sq") as an fp32
+        CPU (or device) tensor from wherever it lives: the buffer itself, or a
+        temporary (low-bit moments decoded; gathered over the ranks under
+        ZeRO: every rank calls this); None if the unit has no optimizer state."""
+        t = self.read_raw(u, kind)
+        if t is None or kind == "master" or self.moment_dtype == "fp32":
+            return t
+        return to_fp32(kind, t, self.read_raw(u, scale_kind(kind)) if t.dtype == torch.uint8 else None)
+
+    @torch.no_grad()
+    def read_raw(self, u, kind: str) -> Optional[torch.Tensor]:
+        """:meth:`read` of any of ``self.kinds`` in its stored dtype (int8
+        codes, their scales); None if the unit has no optimizer state."""
         o, p = u.opt, u.place
         if not p.trainable:
             return None
@@ -237,54 +255,101 @@ class OptimizerState:
         if t is None:
             t = self.read_home(u, kind)
         if self.modes.zero:
-            return self.sharding.all_gather(t, p.trainable_numel)
+            return self.sharding.all_gather(t, kind_numel(kind, p.trainable_numel))
         return t
 
     def read_home(self, u, kind: str) -> torch.Tensor:
-        """A temporary copy of ``kind`` from its NVMe home (this rank's shard)."""
+        """A temporary copy of ``kind`` (stored dtype) from its NVMe home (this rank's shard)."""
         p = u.place
         if kind == "master" and p.aliased:
             return self.host_cache.read_compute(u)[:p.trainable_numel]
+        numel, dtype = kind_numel(kind, p.state_numel), kind_dtype(kind, self.moment_dtype)
         if kind != "master" and u.opt.fresh:
-            return torch.zeros(p.state_numel)
-        out = torch.empty(p.state_numel, dtype=torch.float32)
+            return torch.zeros(numel, dtype=dtype)
+        out = torch.empty(numel, dtype=dtype)
         self.nvme.read(swap_key(u.index, kind), out).wait()
         return out
 
     def write_moments(self, u, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Replaces ``u``'s moments by the full tensors given (CPU fp32 of the
-        unit's trainable numel), this rank's shard of them under ZeRO, wherever
-        they live (in place in memory, rewritten on NVMe)."""
+        unit's trainable numel; stored as ``moment_dtype``), this rank's shard
+        of them under ZeRO, wherever they live (in place in memory, rewritten on NVMe)."""
         self.write_moments_from(u, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}.__getitem__)
 
     @torch.no_grad()
-    def write_moments_from(self, u, source) -> None:
+    def write_moments_from(self, u, source, stored: bool = False) -> None:
         """:meth:`write_moments` with ``source(kind)`` giving each full tensor
         in turn, asked for once the one before is written (a loader may
-        hand out one buffer for both)."""
+        hand out one buffer for both). ``stored``: ``source`` gives every
+        kind but the master already in the stored dtype (a checkpoint of the
+        same ``moment_dtype``: int8 codes and their scales), copied as they are."""
         o, p = u.opt, u.place
         self.forget_read_ahead(u)
         lo, hi = self.sharding.shard(p.trainable_numel)
-        for kind in ("exp_avg", "exp_avg_sq"):
-            shard = source(kind)[lo:hi]
-            if o.state is OptState.RESIDENT:
-                dst = getattr(o, kind)
-                if dst.data_ptr() != shard.data_ptr():  # else read into it in place (resident_view)
-                    dst.copy_(shard)
-            elif o.state is OptState.HOME:
-                self.nvme.write(swap_key(u.index, kind), shard.contiguous()).wait()
+        kinds = self.kinds[1:] if stored else ("exp_avg", "exp_avg_sq")
+        for kind in kinds:
+            full = source(kind)
+            if stored:
+                a, b = kind_numel(kind, lo), kind_numel(kind, hi)  # blocks: shards start on one
+                enc = {kind: full[a:b]}
             else:
-                raise RuntimeError(f"internal: unit {u.name!r}: moments written while {o.state.value}")
+                enc = encode_moment(kind, full[lo:hi], self.moment_dtype)
+            for k, shard in enc.items():
+                self._write_kind(u, k, shard)
         if o.state is OptState.HOME:
             o.fresh = False
 
+    def _write_kind(self, u, kind: str, shard: torch.Tensor) -> None:
+        o = u.opt
+        if o.state is OptState.RESIDENT:
+            dst = getattr(o, kind)
+            if dst.data_ptr() != shard.data_ptr():  # else read into it in place (resident_view)
+                dst.copy_(shard)
+        elif o.state is OptState.HOME:
+            self.nvme.write(swap_key(u.index, kind), shard.contiguous()).wait()
+        else:
+            raise RuntimeError(f"internal: unit {u.name!r}: moments written while {o.state.value}")
+
     def kept_bytes(self) -> dict:
-        """Bytes kept for good per kind (the ZeRO 1/N shares)."""
-        out = {k: 0 for k in KINDS}
+        """Bytes kept for good in memory per kind (the ZeRO 1/N shares)."""
+        out = {k: 0 for k in self.kinds}
         for u in self.units:
             if u.opt.state is not OptState.RESIDENT:
                 continue
-            for kind in KINDS:
+            for kind in self.kinds:
                 t = getattr(u.opt, kind)
                 out[kind] += t.numel() * t.element_size()
         return out
+
+    def nvme_bytes(self) -> dict:
+        """Bytes of each kind the swap files hold (as the NVMe tier counted
+        them when written; an aliased master is the compute copy's)."""
+        out = {k: 0 for k in self.kinds}
+        if self.nvme is not None:
+            for kind in self.kinds:
+                out[kind] = self.nvme.bytes_of([swap_key(u.index, kind) for u in self.units])
+        return out
+
+
+def to_fp32(kind: str, t: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp32 values of a stored moment ``kind`` (bf16, or int8 codes with
+    their ``scales``): what ``CPUAdamW.state_dict`` gives (infinity/optim/moments.py)."""
+    if t.dtype != torch.uint8:
+        return t.float()
+    x = qmoments.dequantize(t, scales, signed=kind == "exp_avg")
+    return x if kind == "exp_avg" else x * x  # exp_avg_sq is kept as codes of its square root
+
+
+def encode_moment(kind: str, x: torch.Tensor, moment_dtype: str) -> dict:
+    """fp32 moment ``x`` of ``kind`` stored as ``moment_dtype``: {kind: tensor}
+    and, for int8, its scales; the same bytes as ``moments.encode`` (one
+    block grid: ``x`` starts on a block)."""
+    if moment_dtype == "fp32":
+        return {kind: x}
+    if moment_dtype == "bf16":
+        return {kind: x.to(torch.bfloat16)}
+    x = x.to(torch.float32)
+    if kind == "exp_avg_sq":
+        x = x.double().sqrt().float()  # sqrt in double, rounded once: as moments.encode
+    codes, scales = qmoments.quantize(x, signed=kind == "exp_avg")
+    return {kind: codes, scale_kind(kind): scales}

@@ -43,6 +43,7 @@ from ...system import sysinfo
 from ...config.runtime import Config
 from .placement import Modes, device_need, host_need, modes_of, nbytes, nvme_capacity, place_unit
 from .units import build_units
+from .opt_kinds import slot_align
 from .limits import STAGING_PER_PATH
 from .activations import activation_bytes
 
@@ -65,7 +66,8 @@ def placed(model: nn.Module, config: Config, world: int = 1):
     """``(units, modes, places)``: ``model`` split into paging units and placed
     as ``initialize`` would on each of ``world`` ranks (no memory touched)."""
     modes = modes_of(config, world, compute_device(config))
-    units = build_units(model, config.unit_classes, {}, world if config.zero_stage else 1)
+    units = build_units(model, config.unit_classes, {}, world if config.zero_stage else 1,
+                        slot_align(config.moment_dtype))
     return units, modes, [place_unit(u.layout, modes) for u in units]
 
 

@@ -37,19 +37,20 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .opt_kinds import kind_dtype, kind_numel, state_bytes, state_kinds
 from .limits import (DEVICE_ALIGN, GRAD_STAGING_BLOCK_BYTES, GRAD_STAGING_BLOCKS, PIPELINE_BUFFERS,  # [Note: limits
                      POOL_ALIGN, ZERO_REDUCING_UNITS)  # that must agree]
 
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need", "grad_staging",
            "nvme_capacity", "modes_of", "speculation_needed", "speculation_unsupported", "undo_bytes", "spillable",
-           "nbytes", "round_pool", "host_reduction_reason", "device_reduce_bytes", "POOL_ALIGN", "DEVICE_ALIGN",
-           "PIPELINE_BUFFERS",
+           "nbytes", "round_pool", "state_pool_bytes", "host_reduction_reason", "device_reduce_bytes", "POOL_ALIGN",
+           "DEVICE_ALIGN", "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
 
 NVME_CACHE_SPARE = 2       # NVMe compute copies cached beyond prefetch_depth
 ZERO_TRANSIENT_UNITS = 3   # cap of the full-gradient room under ZeRO 2-3 without accumulation
 SWAP_SLACK_PAGES = 64      # extra pages of swap file per rank
-KINDS_PER_UNIT = 5         # swap keys per unit: compute, master, exp_avg, exp_avg_sq, grad
+KINDS_PER_UNIT = 5         # swap keys per unit: compute, master, exp_avg, exp_avg_sq, grad (+2 scales with int8)
 
 
 def nbytes(numel: int, dtype: torch.dtype) -> int:
@@ -79,6 +80,7 @@ class Modes:
     prefetch_bytes: Optional[int] = None  # Config.prefetch_bytes
     speculate: bool = False   # updates during backward before the clip/overflow check ([Note: speculative updates])
     reduce_on_device: bool = False  # gradients reduced on the device ([Note: where gradients are reduced])
+    moment_dtype: str = "fp32"  # Config.moment_dtype ([Note: low-bit moments in the engine] in opt_kinds.py)
 
     @property
     def params_on_device(self) -> bool:
@@ -124,7 +126,8 @@ def modes_of(config, world: int, device: torch.device) -> Modes:
     return Modes(device, dtype, grad_dtype, config.offload_params, config.offload_optimizer, config.zero_stage,
                  world, config.overlap == "delayed", config.prefetch_depth, config.grad_accumulation_steps,
                  config.prefetch_bytes, speculation_needed(config) and speculation_unsupported(config, world) is None,
-                 host_reduction_reason(config.zero_stage, world, config.grad_accumulation_steps) is None)
+                 host_reduction_reason(config.zero_stage, world, config.grad_accumulation_steps) is None,
+                 config.moment_dtype)
 
 
 def host_reduction_reason(stage: int, world: int, accum_steps: int) -> Optional[str]:
@@ -276,6 +279,7 @@ class HostNeed:
     nvme_bytes: int  # what the swap files hold
     spill_bytes: int = 0  # swap room kept for host homes spilled under memory pressure (see spillable)
     undo_bytes: int = 0   # the speculative updates' undo state, in the capacity (see undo_bytes)
+    keys_per_unit: int = KINDS_PER_UNIT  # swap keys a unit may have (int8 moments add their two scales)
 
 
 def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
@@ -295,8 +299,9 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
         if modes.host_optimizer and p.trainable:
             perm, zero_transient = perm + _permanent_state(p, modes, tb, sb), zero_transient + _zero_full(modes, tb)
         if modes.opt_nvme and p.trainable:
-            k = (3 if modes.zero else 4) - (1 if p.aliased else 0)  # ZeRO keeps its gradient shard on the host
-            cache_all, nvme = cache_all + k * sb, nvme + k * sb
+            # ZeRO keeps its gradient shard on the host; an aliased master is the compute copy.
+            k = (0 if modes.zero else sb) + state_pool_bytes(p, modes, sb, master=not p.aliased)
+            cache_all, nvme = cache_all + k, nvme + k
     pipeline = PIPELINE_BUFFERS * largest_t + largest_c
     minimum = perm
     if modes.params_nvme:
@@ -312,7 +317,8 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
     undo = sum(undo_bytes(p, modes) for p in places if p.trainable) if modes.speculate else 0
     capacity = perm + (cache_all + pipeline if modes.nvme_used else 0) + zero_transient + undo
     spill = sum(round_pool(nbytes(p.home_numel, modes.dtype)) for p in places) if spillable(modes) else 0
-    return HostNeed(perm, minimum, capacity, nvme, spill, undo)
+    return HostNeed(perm, minimum, capacity, nvme, spill, undo,
+                    KINDS_PER_UNIT + len(state_kinds(modes.moment_dtype)) - len(state_kinds("fp32")))
 
 
 def grad_staging(places: List[UnitPlacement], modes: Modes) -> Tuple[int, int]:
@@ -334,7 +340,7 @@ def undo_bytes(p: UnitPlacement, modes: Modes) -> int:
     master and moments (fp32) and the trainable part of its compute copy, in
     one pool buffer. Not in the minimum: a unit without room waits for
     ``step()`` (see [Note: speculative updates] in step/speculate.py)."""
-    return round_pool(3 * nbytes(p.state_numel, torch.float32) + nbytes(p.trainable_numel, modes.dtype))
+    return round_pool(state_bytes(p.state_numel, modes.moment_dtype) + nbytes(p.trainable_numel, modes.dtype))
 
 
 def spillable(modes: Modes) -> bool:
@@ -348,11 +354,23 @@ def _permanent_state(p: UnitPlacement, modes: Modes, tb: int, sb: int) -> int:
     """Host bytes kept for good for a trainable unit's optimizer side."""
     if modes.zero:
         # Gradient shard (+ full gradients for stage 1); master and moments unless on NVMe.
-        return sb + (tb if modes.zero == 1 else 0) + (0 if modes.opt_nvme else 3 * sb)
+        return sb + (tb if modes.zero == 1 else 0) + (0 if modes.opt_nvme else state_pool_bytes(p, modes, sb))
     if modes.opt_nvme:
         return 0
     gb = round_pool(nbytes(p.trainable_numel, modes.grad_dtype))
-    return 3 * tb + gb * (2 if modes.delayed else 1)
+    return state_pool_bytes(p, modes, tb) + gb * (2 if modes.delayed else 1)
+
+
+def state_pool_bytes(p: UnitPlacement, modes: Modes, fp32_buf: int, master: bool = True) -> int:
+    """Host-pool bytes of a unit's master (unless ``master=False``) and
+    moments, one pool buffer a kind; ``fp32_buf``: one fp32 state buffer's
+    pool bytes (as the fp32 figures have always been counted). Low-bit
+    moments: each kind's own bytes, rounded to the pool ([Note: low-bit
+    moments in the engine] in opt_kinds.py)."""
+    if modes.moment_dtype == "fp32":
+        return (3 if master else 2) * fp32_buf
+    kinds = state_kinds(modes.moment_dtype)[0 if master else 1:]
+    return sum(round_pool(nbytes(kind_numel(k, p.state_numel), kind_dtype(k, modes.moment_dtype))) for k in kinds)
 
 
 def _zero_full(modes: Modes, tb: int) -> int:
@@ -364,4 +382,4 @@ def _zero_full(modes: Modes, tb: int) -> int:
 def nvme_capacity(need: HostNeed, units: int, paths: int) -> int:
     """Bytes of swap files per rank: the state and the room for spilled homes,
     plus per key and path two pages of extent rounding, plus ``SWAP_SLACK_PAGES``."""
-    return need.nvme_bytes + need.spill_bytes + 2 * 4096 * units * KINDS_PER_UNIT * paths + SWAP_SLACK_PAGES * 4096
+    return need.nvme_bytes + need.spill_bytes + 2 * 4096 * units * need.keys_per_unit * paths + SWAP_SLACK_PAGES * 4096

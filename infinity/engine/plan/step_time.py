@@ -50,6 +50,7 @@ import torch.nn as nn
 
 from .costs import ROOT_TAIL, PassCosts, count_pass
 from .limits import MAX_QUEUED
+from .opt_kinds import state_bytes
 from .placement import Modes, device_need, host_need, nbytes, round_pool
 from .profile import Profile
 from .simulate import COMPUTE, Simulation, SimResult
@@ -271,8 +272,7 @@ class _Builder:
 
     def _state_bytes(self, i: int) -> int:
         pl = self.places[i]
-        kinds = 2 if pl.aliased else 3
-        return kinds * nbytes(pl.state_numel, torch.float32)
+        return state_bytes(pl.state_numel, self.m.moment_dtype, master=not pl.aliased)
 
     def _update(self, i: int, deps: list, read_deps: Optional[list] = None) -> int:
         """Unit ``i``'s AdamW on the host thread (with its NVMe state read before and written after)."""

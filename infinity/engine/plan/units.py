@@ -43,10 +43,13 @@ class Layout:
     param group), then frozen ones. Optimizer buffers (fp32 master, grads,
     moments) cover only ``[0, trainable_numel)``; the compute copy covers
     ``[0, numel)``. ``numel`` is padded to ``pad_to`` so a later ZeRO stage can
-    split every buffer into equal shards."""
+    split every buffer into equal shards. ``align``: elements each trainable
+    slot starts on (and the shards' unit), a multiple of ALIGN_ELEMS; int8
+    moments need whole blocks ([Note: low-bit moments in the engine] in
+    opt_kinds.py)."""
 
     def __init__(self, named: Sequence[Tuple[str, nn.Parameter]], group_of: Dict[int, Optional[int]],
-                 pad_to: int = 1):
+                 pad_to: int = 1, align: int = ALIGN_ELEMS):
         # A parameter mapped to None is in no optimizer group: frozen, as torch leaves it unchanged.
         trains = [p.requires_grad and group_of.get(id(p), 0) is not None for _, p in named]
         trainable = [np_ for np_, t in zip(named, trains) if t]
@@ -56,8 +59,8 @@ class Layout:
         off = 0
         for n, p in trainable:
             self.slots.append(Slot(p, n, off, p.numel(), p.shape, True, group_of.get(id(p), 0)))
-            off = _align(off + p.numel())
-        self.trainable_numel = _align(off, max(pad_to, 1) * ALIGN_ELEMS) if trainable else 0
+            off = _align(off + p.numel(), align)
+        self.trainable_numel = _align(off, max(pad_to, 1) * align) if trainable else 0
         off = self.trainable_numel
         for n, p in frozen:
             self.slots.append(Slot(p, n, off, p.numel(), p.shape, False))
@@ -126,10 +129,13 @@ class Unit:
         return f"Unit({self.index}, {self.name!r}, {self.layout.numel} elems, {state}, pins={pins})"
 
 
-def build_units(model: nn.Module, unit_classes, group_of: Dict[int, int], shards: int) -> List[Unit]:
+def build_units(model: nn.Module, unit_classes, group_of: Dict[int, int], shards: int,
+                align: int = 0) -> List[Unit]:
     """The root unit (index 0: every parameter in no unit module, and those
     shared between units, such as tied embeddings) and one unit per module
-    of :func:`partition` that owns parameters of its own."""
+    of :func:`partition` that owns parameters of its own. ``align``: the
+    trainable slots' alignment in elements (0: ALIGN_ELEMS; see Layout)."""
+    align = align or ALIGN_ELEMS
     owners: Dict[int, List[str]] = {}
     params: Dict[int, nn.Parameter] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
@@ -149,10 +155,10 @@ def build_units(model: nn.Module, unit_classes, group_of: Dict[int, int], shards
             assigned[id(p)] = ui
             per_unit[ui].append((pname, p))
     root = [(owners[pid][0], p) for pid, p in params.items() if pid not in assigned]
-    units = [Unit(0, "<root>", [model], Layout(root, group_of, shards))]
+    units = [Unit(0, "<root>", [model], Layout(root, group_of, shards, align))]
     for ui, (uname, umod) in enumerate(unit_mods):
         if per_unit[ui]:
-            units.append(Unit(len(units), uname, [umod], Layout(per_unit[ui], group_of, shards)))
+            units.append(Unit(len(units), uname, [umod], Layout(per_unit[ui], group_of, shards, align)))
     return units
 
 

@@ -63,6 +63,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..plan.opt_kinds import kind_dtype, kind_numel, state_kinds
 from ..plan.placement import nbytes, undo_bytes
 
 __all__ = ["Speculation", "MAX_BACKOFF"]
@@ -80,9 +81,7 @@ class _Undo:
     kernel's copy-out's)."""
 
     buf: object
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    state: Dict[str, torch.Tensor]  # kind -> its copy: master, moments (int8: and scales)
     compute: torch.Tensor
     steps: Optional[List[int]] = None  # the slots' step counts, once the update began
     # (state ranges, compute ranges or None) the kernel calls saved; None: the whole buffers, saved ahead.
@@ -93,7 +92,8 @@ class _Undo:
         ``state`` and the copy-out's ``compute`` (None: no copy-out), as
         ``adamw_step_(saves=)`` takes them; recorded for the rollback."""
         self.runs.append((state, compute))
-        return tuple([t[a:b] for a, b in state] for t in (self.master, self.exp_avg, self.exp_avg_sq)) + (
+        kept = (self.state["master"], self.state["exp_avg"], self.state["exp_avg_sq"])
+        return tuple([t[a:b] for a, b in state] for t in kept) + (
             [self.compute[a:b] for a, b in compute] if compute is not None else None,)
 
 
@@ -135,19 +135,22 @@ class Speculation:
             self._warn_room(u)
             return False
         raw, buf = got
-        sn, tn = u.place.state_numel, u.place.trainable_numel
-        f32 = raw[:12 * sn].view(torch.float32)
-        comp = raw[12 * sn:12 * sn + nbytes(tn, p.modes.dtype)].view(p.modes.dtype)
-        self._undo[u.index] = _Undo(buf, f32[:sn], f32[sn:2 * sn], f32[2 * sn:], comp)
+        sn, tn, md = u.place.state_numel, u.place.trainable_numel, p.modes.moment_dtype
+        state, at = {}, 0
+        for kind in state_kinds(md):  # each starts on 4 bytes: sn is a multiple of 32
+            dt = kind_dtype(kind, md)
+            n = nbytes(kind_numel(kind, sn), dt)
+            state[kind], at = raw[at:at + n].view(dt), at + n
+        comp = raw[at:at + nbytes(tn, p.modes.dtype)].view(p.modes.dtype)
+        self._undo[u.index] = _Undo(buf, state, comp)
         return True
 
     def save(self, u) -> None:
         """Copies ``u``'s whole state into its undo buffer ahead of its
         update (host thread, while backward runs)."""
         d, o = self._undo[u.index], u.opt
-        d.master.copy_(o.master)
-        d.exp_avg.copy_(o.exp_avg)
-        d.exp_avg_sq.copy_(o.exp_avg_sq)
+        for kind, t in d.state.items():
+            t.copy_(getattr(o, kind))
         d.compute.copy_(self.p.host_cache.home(u)[:d.compute.numel()])
         d.steps = [s.step for s in u.layout.trainable_slots]
 
@@ -157,6 +160,9 @@ class Speculation:
         (``Updater.run(undo=)``), or None where :meth:`save` saved it ahead."""
         d = self._undo[u.index]
         if d.steps is not None:
+            return None
+        if self.p.modes.moment_dtype != "fp32":
+            self.save(u)  # the kernel saves fp32 state only: low-bit moments and their scales are copied whole
             return None
         d.runs = []
         d.steps = [s.step for s in u.layout.trainable_slots]
@@ -240,13 +246,16 @@ def _restore(u, d: _Undo, host_cache, compute: bool) -> None:
     compute copy) as ``d`` saved them: the ranges its kernel calls wrote,
     or the whole buffers where saved ahead."""
     o = u.opt
-    whole = [(0, d.master.numel())]
-    runs = d.runs if d.runs is not None else [(whole, [(0, d.compute.numel())])]
+    if d.runs is None:  # saved whole, ahead: every kind (low-bit moments' scales too)
+        for kind, t in d.state.items():
+            getattr(o, kind).copy_(t)
+        runs = [([], [(0, d.compute.numel())])]
+    else:
+        runs = d.runs
     for state, _ in runs:
         for a, b in state:
-            o.master[a:b].copy_(d.master[a:b])
-            o.exp_avg[a:b].copy_(d.exp_avg[a:b])
-            o.exp_avg_sq[a:b].copy_(d.exp_avg_sq[a:b])
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(o, kind)[a:b].copy_(d.state[kind][a:b])
     if compute and any(c for _, c in runs):
         comp = host_cache.open_for_update(u)
         try:

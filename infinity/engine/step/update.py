@@ -16,6 +16,7 @@ import torch
 
 from ...optim.functional import adamw_step_, group_hyper
 from ..owners.optstate import KINDS
+from ..plan.opt_kinds import QBLOCK
 
 __all__ = ["Updater", "runs", "written_runs"]
 
@@ -101,7 +102,8 @@ class Updater:
         # also takes their sums for the write-back ([Note: sums from the
         # producer] in native/src/adam.cpp). Padding is zero in every buffer
         # and stays zero under the update, so the call may span all of it.
-        chunk = self.sum_chunk_bytes if o.master.device.type == "cpu" else None
+        # Low-bit moments: the swap store takes the sums itself (the kernel takes fp32 ones only).
+        chunk = self.sum_chunk_bytes if o.master.device.type == "cpu" and o.exp_avg.dtype == torch.float32 else None
         whole = chunk is not None and len(groups) == 1 and all(written)
         sums = None
         for (gi, step), global_ranges in groups.items():
@@ -154,8 +156,23 @@ class Updater:
                           weight_decay=h.weight_decay, adamw_mode=h.adamw_mode, grad_scale=grad_scale * h.sign,
                           outs=outs,
                           num_threads=self.num_threads, validate=False,
-                          sum_chunk_bytes=chunk if take_sums else None, saves=saves)
+                          sum_chunk_bytes=chunk if take_sums else None, saves=saves, **_scales(u, st))
         return dict(zip(KINDS, got[0])) if got else None
+
+
+def _scales(u, st: List[Tuple[int, int]]) -> dict:
+    """The int8 moments' block scales of the state ranges ``st`` (each starts
+    on a block: [Note: low-bit moments in the engine] in opt_kinds.py); {} for
+    other moments."""
+    o = u.opt
+    if o.exp_avg.dtype != torch.uint8:
+        return {}
+    for a, _ in st:
+        if a % QBLOCK:
+            raise RuntimeError(f"internal: unit {u.name!r}: an int8 moment range starts at {a}, inside a block "
+                               f"of {QBLOCK}")
+    return {"exp_avg_scales": [o.exp_avg_scale[a // QBLOCK:-(-b // QBLOCK)] for a, b in st],
+            "exp_avg_sq_scales": [o.exp_avg_sq_scale[a // QBLOCK:-(-b // QBLOCK)] for a, b in st]}
 
 
 def _device_step(ps, gs, ms, vs, step: int, h, grad_scale: float) -> None:

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Convergence of infinity's AdamW with fp32, bf16 and int8 Adam moments
+(Config.moment_dtype), in one run: the demo's byte-level GPT
+(scripts/demo.py) on the demo's text (the standard library's docstrings,
+infinity.models.corpus.stdlib_corpus), the same initial weights, batches
+and seed for every mode, trained through infinity on the CPU (host homes:
+the moments' placement does not change a byte, tests/engine/test_moment_dtype.py).
+
+Printed per mode: the mean loss of the last ``--tail`` steps and its ratio
+to fp32's (issue 37's target: bf16 and int8 within 1%, a ratio <= 1.01),
+and the loss every ``--every`` steps. ``--json`` writes the figures and
+every loss; ``--plot`` draws the curves (needs matplotlib).
+Not a timing benchmark: nothing here is timed against anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+import infinity  # noqa: E402
+from infinity.models import GPT, GPTConfig  # noqa: E402
+from infinity.models.corpus import stdlib_corpus  # noqa: E402
+
+MODES = ("fp32", "bf16", "int8")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = ap.add_argument
+    a("--steps", type=int, default=1000, help="optimizer steps per mode (issue 37: 1000)")
+    a("--tail", type=int, default=50, help="steps whose mean loss is compared")
+    a("--layers", type=int, default=4, help="transformer blocks (the demo's --quick: 4)")
+    a("--embd", type=int, default=128, help="model width (the demo's --quick: 128)")
+    a("--heads", type=int, default=4)
+    a("--seq", type=int, default=128, help="sequence length in bytes")
+    a("--batch", type=int, default=8, help="sequences per step")
+    a("--lr", type=float, default=2e-3, help="AdamW learning rate (after a 5-step linear warm-up)")
+    a("--seed", type=int, default=0)
+    a("--modes", default=",".join(MODES), help="comma-separated moment dtypes")
+    a("--every", type=int, default=100, help="print the loss every this many steps")
+    a("--json", default=None, help="write the figures and every loss here")
+    a("--plot", default=None, help="draw the loss curves into this PNG (needs matplotlib)")
+    args = ap.parse_args(argv)
+    if args.tail < 1 or args.steps < args.tail:
+        ap.error(f"--steps {args.steps} must be at least --tail {args.tail} (>= 1)")
+    return args
+
+
+def batches(data: torch.Tensor, n: int, batch: int, seq: int, seed: int):
+    """``n`` seeded random windows of the corpus: (inputs, targets) of bytes, the same for every mode."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for _ in range(n):
+        i = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
+        w = torch.stack([data[j:j + seq + 1] for j in i.tolist()]).long()
+        yield w[:, :-1], w[:, 1:]
+
+
+def train(md: str, args, data: torch.Tensor) -> list:
+    """The losses of ``args.steps`` steps with ``md`` moments."""
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                          n_embd=args.embd))
+    with tempfile.TemporaryDirectory() as swap:
+        cfg = infinity.Config(device="cpu", dtype="fp32", moment_dtype=md, offload_params="host",
+                              offload_optimizer="host", swap_paths=[swap])
+        model, opt = infinity.initialize(model, cfg, lr=args.lr, weight_decay=0.1)
+        losses = []
+        try:
+            for step, (x, y) in enumerate(batches(data, args.steps, args.batch, args.seq, args.seed), 1):
+                for g in opt.param_groups:
+                    g["lr"] = args.lr * min(1.0, step / 5)
+                loss = model(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                if step % args.every == 0 or step == args.steps:
+                    print(f"  {md:5} step {step:5}  loss {losses[-1]:.4f}", flush=True)
+        finally:
+            infinity.close(model)
+    return losses
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    data = torch.frombuffer(bytearray(stdlib_corpus()), dtype=torch.uint8)
+    n = sum(p.numel() for p in GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers,
+                                             n_head=args.heads, n_embd=args.embd)).parameters())
+    print(f"GPT {args.layers} layers x {args.embd}, {n:,} parameters; {data.numel():,} bytes of text; "
+          f"{args.steps} steps of {args.batch} x {args.seq} bytes; modes {modes}")
+    curves, secs = {}, {}
+    for md in modes:
+        t0 = time.perf_counter()
+        curves[md] = train(md, args, data)
+        secs[md] = time.perf_counter() - t0
+    tail = {md: statistics.fmean(c[-args.tail:]) for md, c in curves.items()}
+    base = tail.get("fp32")
+    print(f"\nmean loss of the last {args.tail} steps (ratio to fp32; target <= 1.01):")
+    for md in modes:
+        ratio = tail[md] / base if base else float("nan")
+        print(f"  {md:5} {tail[md]:.4f}  ratio {ratio:.4f}  ({secs[md]:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "tail_mean": tail,
+                                               "ratio": {m: tail[m] / base for m in modes} if base else None,
+                                               "losses": curves}))
+    if args.plot:
+        _plot(curves, args.plot)
+    return 0
+
+
+def _plot(curves: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (the --json file holds every loss)")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for md, c in curves.items():
+        k = 20  # a running mean, so the three curves can be told apart
+        smooth = [statistics.fmean(c[max(0, i - k + 1):i + 1]) for i in range(len(c))]
+        ax.plot(range(1, len(c) + 1), smooth, label=f"{md} moments")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats a byte, running mean of 20)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
