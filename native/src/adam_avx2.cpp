@@ -74,11 +74,49 @@ struct Vec {
   static inline V select(M k, V a, V b) { return _mm256_blendv_ps(b, a, k); }
   static inline I iselect(M k, I a, I b) { return ibits(_mm256_blendv_ps(fbits(b), fbits(a), k)); }
   static inline V abs(V a) { return _mm256_and_ps(a, fbits(iset1(0x7FFFFFFFu))); }
-  static inline V max(V a, V b) { return _mm256_max_ps(a, b); }  // never given NaN
+  static inline V max(V a, V b) { return _mm256_max_ps(a, b); }  // a > b ? a : b (NaN a: b)
   static inline float hmax(V a) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+  }
+  static inline I imax(I a, I b) { return _mm256_max_epi32(a, b); }
+  static inline M unord(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
+  static inline M mor(M a, M b) { return _mm256_or_ps(a, b); }
+  static inline bool many(M k) { return _mm256_movemask_ps(k) != 0; }
+  static inline bool none_masked(const uint8_t* p, int64_t n, uint8_t m1, uint8_t v1, uint8_t m2, uint8_t v2) {
+    const __m256i a1 = _mm256_set1_epi8(static_cast<char>(m1)), b1 = _mm256_set1_epi8(static_cast<char>(v1));
+    const __m256i a2 = _mm256_set1_epi8(static_cast<char>(m2)), b2 = _mm256_set1_epi8(static_cast<char>(v2));
+    __m256i any = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+      any = _mm256_or_si256(any, _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, a1), b1),
+                                                 _mm256_cmpeq_epi8(_mm256_and_si256(x, a2), b2)));
+    }
+    return _mm256_testz_si256(any, any) && bytes_none(p + i, n - i, m1, v1, m2, v2);
+  }
+  static inline I load_s8(const uint8_t* p) {  // sign-extended
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  // 4 x 8 lanes holding 0..255 -> 32 bytes in lane order.
+  static inline void store_u8x4(uint8_t* p, I a, I b, I c, I d) {
+    const __m256i x = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+    const __m256i q = _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), q);
+  }
+  // Two vectors rounded to bf16 (nearest even) as one 32-byte store; no NaN
+  // handling: the caller checked that neither holds one.
+  static inline __m256i bf16_bits(V x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  }
+  template <bool NT = false>
+  static inline void store_bf16x2(uint16_t* p, V a, V b) {
+    const __m256i x = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(a), bf16_bits(b)), 0xD8);
+    if (NT) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), x);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
   }
   static inline I load_u8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -91,6 +129,7 @@ struct Vec {
 };
 
 #include "adam_kernel.inc"
+#include "adam_bf16m.inc"
 #include "adam_q8.inc"
 }  // namespace
 

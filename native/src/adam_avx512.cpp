@@ -71,8 +71,35 @@ struct Vec {
   static inline V select(M k, V a, V b) { return _mm512_mask_blend_ps(k, b, a); }
   static inline I iselect(M k, I a, I b) { return _mm512_mask_blend_epi32(k, b, a); }
   static inline V abs(V a) { return fbits(iand(ibits(a), iset1(0x7FFFFFFFu))); }
-  static inline V max(V a, V b) { return _mm512_max_ps(a, b); }  // never given NaN
+  static inline V max(V a, V b) { return _mm512_max_ps(a, b); }  // a > b ? a : b (NaN a: b)
   static inline float hmax(V a) { return _mm512_reduce_max_ps(a); }
+  static inline I imax(I a, I b) { return _mm512_max_epi32(a, b); }
+  static inline M unord(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+  static inline M mor(M a, M b) { return static_cast<M>(a | b); }
+  static inline bool many(M k) { return k != 0; }
+  static inline bool none_masked(const uint8_t* p, int64_t n, uint8_t m1, uint8_t v1, uint8_t m2, uint8_t v2) {
+    return bytes_none(p, n, m1, v1, m2, v2);
+  }
+  static inline I load_s8(const uint8_t* p) {  // sign-extended
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline void store_u8x4(uint8_t* p, I a, I b, I c, I d) {
+    store_u8(p, a);
+    store_u8(p + 16, b);
+    store_u8(p + 32, c);
+    store_u8(p + 48, d);
+  }
+  // Two vectors rounded to bf16 (nearest even); no NaN handling: the caller
+  // checked that neither holds one.
+  template <bool NT = false>
+  static inline void store_bf16x2(uint16_t* p, V a, V b) {
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+    const __m512i ua = _mm512_castps_si512(a), ub = _mm512_castps_si512(b);
+    const __m512i ra = _mm512_srli_epi32(_mm512_add_epi32(ua, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(ua, 16), one), half)), 16);
+    const __m512i rb = _mm512_srli_epi32(_mm512_add_epi32(ub, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(ub, 16), one), half)), 16);
+    store16(p, _mm512_cvtepi32_epi16(ra), NT);
+    store16(p + 16, _mm512_cvtepi32_epi16(rb), NT);
+  }
   static inline I load_u8(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -82,6 +109,7 @@ struct Vec {
 };
 
 #include "adam_kernel.inc"
+#include "adam_bf16m.inc"
 #include "adam_q8.inc"
 }  // namespace
 

@@ -66,8 +66,33 @@ struct Vec {
   static inline V select(M k, V a, V b) { return vbslq_f32(k, a, b); }
   static inline I iselect(M k, I a, I b) { return vbslq_u32(k, a, b); }
   static inline V abs(V a) { return vabsq_f32(a); }
-  static inline V max(V a, V b) { return vmaxq_f32(a, b); }  // never given NaN
+  // a > b ? a : b as on x86 (vmaxq_f32 would return NaN for a NaN a).
+  static inline V max(V a, V b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
   static inline float hmax(V a) { return vmaxvq_f32(a); }
+  static inline I imax(I a, I b) { return vreinterpretq_u32_s32(vmaxq_s32(vreinterpretq_s32_u32(a), vreinterpretq_s32_u32(b))); }
+  static inline M unord(V a, V b) { return vmvnq_u32(vandq_u32(vceqq_f32(a, a), vceqq_f32(b, b))); }
+  static inline M mor(M a, M b) { return vorrq_u32(a, b); }
+  static inline bool many(M k) { return vmaxvq_u32(k) != 0; }
+  static inline bool none_masked(const uint8_t* p, int64_t n, uint8_t m1, uint8_t v1, uint8_t m2, uint8_t v2) {
+    return bytes_none(p, n, m1, v1, m2, v2);
+  }
+  static inline I load_s8(const uint8_t* p) {  // sign-extended
+    uint32_t w;
+    memcpy(&w, p, 4);
+    const int16x8_t h = vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(w)));
+    return vreinterpretq_u32_s32(vmovl_s16(vget_low_s16(h)));
+  }
+  static inline void store_u8x4(uint8_t* p, I a, I b, I c, I d) {
+    store_u8(p, a);
+    store_u8(p + 4, b);
+    store_u8(p + 8, c);
+    store_u8(p + 12, d);
+  }
+  template <bool NT = false>
+  static inline void store_bf16x2(uint16_t* p, V a, V b) {  // caller checked: no NaN
+    store_bf16<NT>(p, a);
+    store_bf16<NT>(p + 4, b);
+  }
   static inline I load_u8(const uint8_t* p) {
     uint32_t w;
     memcpy(&w, p, 4);
@@ -81,6 +106,7 @@ struct Vec {
 };
 
 #include "adam_kernel.inc"
+#include "adam_bf16m.inc"
 #include "adam_q8.inc"
 }  // namespace
 

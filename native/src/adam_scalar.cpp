@@ -10,6 +10,7 @@ namespace {
 #include "lane1.inc"
 using Vec = Lane1;
 #include "adam_kernel.inc"
+#include "adam_bf16m.inc"
 #include "adam_q8.inc"
 }  // namespace
 
