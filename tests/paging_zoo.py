@@ -236,3 +236,15 @@ def _train_steps(model, ref, opt, ref_opt, scheds, steps, calls, gen, clip, rtol
             s.step()
         if step in (0, steps - 1):
             assert_params_close(infinity.full_state_dict(model), ref.state_dict(), rtol)
+
+
+def small_chain() -> "Chain":
+    """The 4-layer Chain (32, 16, 64, 8) of the state-dict and moment tests, seeded."""
+    torch.manual_seed(0)
+    return Chain([32, 16, 64, 8])
+
+
+def chain_data(n: int, seed: int = 3) -> list:
+    """``n`` seeded (input, target) batches of 4 × 16 for :func:`small_chain`."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(n)]

@@ -4,19 +4,12 @@ plain model then trained from NaN."""
 
 import pytest
 import torch
-from paging_zoo import Chain, base_config
+from paging_zoo import base_config, chain_data, small_chain
 
 import infinity
 
 
-def model():
-    torch.manual_seed(0)
-    return Chain([32, 16, 64, 8])
-
-
-def data(n, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(n)]
+model, data = small_chain, chain_data
 
 
 @pytest.mark.parametrize("params,opt,dtype", [("host", "host", "fp32"), ("nvme", "nvme", "fp32"),
