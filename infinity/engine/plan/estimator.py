@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from ...system import sysinfo
 from ...config.runtime import Config
-from .placement import Modes, device_need, host_need, modes_of, nbytes, nvme_capacity, place_unit
+from .placement import Modes, device_need, device_reduce_bytes, host_need, modes_of, nbytes, nvme_capacity, place_unit
 from .units import build_units
 from .opt_kinds import slot_align
 from .limits import STAGING_PER_PATH
@@ -88,6 +88,11 @@ def _device_peak(places, modes: Modes, budget: Optional[int], largest_param_grad
             if p <= room:
                 fill, room = fill + p, room - p
     grads = min(need.grad_reserve, largest_param_grad) if modes.host_optimizer else 0
+    if modes.reduce_on_device:
+        # A unit's flat gradient and its shard ([Note: where gradients are reduced]) beside autograd's
+        # gradient of one parameter before it is copied in. The reserve holds two units, but the peak
+        # measured on 2 ranks (bench_estimate.py) is one: the previous reduction is done by then.
+        grads = max(device_reduce_bytes(p.trainable_numel, modes) for p in places) + largest_param_grad
     return {"model_state": fill + need.opt_fixed, "gradients_in_flight": grads,
             "peak": fill + need.opt_fixed + grads, "budget": budget, "minimum": need.minimum}
 
