@@ -181,8 +181,6 @@ def speculation_unsupported(config, world: int) -> Optional[str]:
         return f"offload_optimizer={config.offload_optimizer!r} (speculation needs 'host')"
     if config.offload_params == "nvme":
         return "offload_params='nvme' (speculation needs 'none' or 'host')"
-    if config.zero_stage == 1:
-        return "zero_stage=1 (its gradients are reduce-scattered in step(), so every update waits for it)"
     return None
 
 

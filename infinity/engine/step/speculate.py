@@ -43,25 +43,25 @@ scale with fp16) and no gradient overflowed:
   in a row; a committed speculation ends the back-off.
 
 [Note: speculation on several ranks]
-Under data parallelism (stage 0) and ZeRO 2-3 each rank speculates on what
-it updates: the whole unit at stage 0, its own shard at stages 2-3. The
+Under data parallelism (stage 0) and ZeRO 1-3 each rank speculates on what
+it updates: the whole unit at stage 0, its own shard at stages 1-3. The
 update is queued only once that input is final, as without clipping: after
-the unit's all-reduce (stage 0) or reduce-scatter (2-3), which the update's
-job waits for (``Gradients.wait``). The undo state covers what this rank's
-update writes: the shard's master and moments, and of the compute copy the
-own shard's elements (``_Undo.lo``: its offset in the full copy at stage 2;
-at stage 3 the home copy is the shard). The decision is the same on every
+the unit's all-reduce (stage 0) or reduce-scatter (1-3; stage 1, whose
+overlap="step" reduces in ``step()``, reduces in the window's last backward
+when updates may start early: ``BackwardSchedule._reduces_in_backward``),
+which the update's job waits for (``Gradients.wait``). The undo state
+covers what this rank's update writes: the shard's master and moments, and
+of the compute copy the own shard's elements (``_Undo.lo``: its offset in
+the full copy at stages 1-2; at stage 3 the home copy is the shard). The decision is the same on every
 rank because it reads reduced values only: the norm ``step()`` takes over
 the reduced gradients (summed over the ranks' shards at 2-3, the same
 all-reduced bytes on every rank at stage 0) and the loss scale, which every
 rank moves alike; so are the back-off's counters. A rank whose pool had no
 room for some unit's undo state updates that unit in ``step()``: the bytes
 are the same, the collectives too (reductions happen whether or not the
-update starts early). Stage 2's all-gather of the new compute copies runs
-in ``step()`` after every update, committed or replayed (and not at all for
-a skipped step), so it always carries overlap="step"'s bytes. Stage 1
-reduce-scatters its gradients in ``step()``: no update can start earlier,
-so it has nothing to speculate on.
+update starts early). Stages 1-2's all-gather of the new compute copies
+runs in ``step()`` after every update, committed or replayed (and not at
+all for a skipped step), so it always carries overlap="step"'s bytes.
 
 The hyper-parameters are those of the step's first early update ([Note:
 hyper-parameters of early updates] in schedule.py), for the replay too.
