@@ -32,8 +32,8 @@ effect one step later than in torch.
 [Note: the accumulation window]
 ``Config.grad_accumulation_steps`` backward passes make one step. In the last
 of them some work happens during backward: with overlap="backward" each
-unit's update, and under data parallelism (stages 0, 2, 3) each unit's
-gradient reduction. Once that ran (``Gradients.window_closed``), another
+unit's update, and under data parallelism (stages 0, 2, 3; stage 1 with
+overlap="backward") each unit's gradient reduction. Once that ran (``Gradients.window_closed``), another
 backward before ``step()`` would add gradients nothing reads any more, so its
 first gradient raises instead of being dropped; ``zero_grad()`` after an
 early update raises too, since the update cannot be undone.
