@@ -36,6 +36,7 @@ CASES = [
     dict(stage=1, steps=6, params="nvme", opt="nvme", accum=2, host_units=50, layers=20),  # host cache evicts
     dict(stage=2, steps=6, params="nvme", opt="nvme", overlap="backward", host_units=28, layers=16),
     dict(stage=2, steps=6, params="nvme", opt="host", clip=0.05),
+    dict(stage=1, steps=6, overlap="backward", accum=2),  # stage 1 reduce-scatters during the last backward
 ]
 
 

@@ -18,6 +18,8 @@ CASES = [
     dict(stage=2, overlap="step", accum=2),                   # host reduction (an accumulation window)
     dict(stage=3, overlap="step", opt="nvme", clip=0.05),     # NVMe state
     dict(stage=0, overlap="backward", opt="nvme"),            # stage 0 with NVMe state: gradients spilled
+    dict(stage=1, overlap="backward", clip=0.05),             # speculative updates of the shards during backward
+    dict(stage=3, overlap="backward", clip=1e9),              # speculation committed: the flags came in time
 ]
 
 

@@ -181,8 +181,6 @@ def speculation_unsupported(config, world: int) -> Optional[str]:
         return f"offload_optimizer={config.offload_optimizer!r} (speculation needs 'host')"
     if config.offload_params == "nvme":
         return "offload_params='nvme' (speculation needs 'none' or 'host')"
-    if world > 1 or config.zero_stage:
-        return f"{world} ranks, zero_stage={config.zero_stage} (speculation needs one rank without ZeRO)"
     return None
 
 
@@ -337,10 +335,11 @@ def grad_staging(places: List[UnitPlacement], modes: Modes) -> Tuple[int, int]:
 
 def undo_bytes(p: UnitPlacement, modes: Modes) -> int:
     """Host bytes of one unit's undo state for a speculative update: its
-    master and moments (fp32) and the trainable part of its compute copy, in
-    one pool buffer. Not in the minimum: a unit without room waits for
-    ``step()`` (see [Note: speculative updates] in step/speculate.py)."""
-    return round_pool(state_bytes(p.state_numel, modes.moment_dtype) + nbytes(p.trainable_numel, modes.dtype))
+    master and moments and the part of its compute copy the update writes
+    (the trainable part; under ZeRO the own shard's, as many elements as the
+    state), in one pool buffer. Not in the minimum: a unit without room
+    waits for ``step()`` (see [Note: speculative updates] in step/speculate.py)."""
+    return round_pool(state_bytes(p.state_numel, modes.moment_dtype) + nbytes(p.state_numel, modes.dtype))
 
 
 def spillable(modes: Modes) -> bool:

@@ -32,8 +32,8 @@ effect one step later than in torch.
 [Note: the accumulation window]
 ``Config.grad_accumulation_steps`` backward passes make one step. In the last
 of them some work happens during backward: with overlap="backward" each
-unit's update, and under data parallelism (stages 0, 2, 3) each unit's
-gradient reduction. Once that ran (``Gradients.window_closed``), another
+unit's update, and under data parallelism (stages 0, 2, 3; stage 1 with
+overlap="backward") each unit's gradient reduction. Once that ran (``Gradients.window_closed``), another
 backward before ``step()`` would add gradients nothing reads any more, so its
 first gradient raises instead of being dropped; ``zero_grad()`` after an
 early update raises too, since the update cannot be undone.
@@ -84,12 +84,17 @@ class StepSchedule:
     def unit_ready(self, u) -> None:
         """``u``'s last gradient of this backward has left the device."""
         p = self.p
-        if self.needs_reduce and p.modes.zero != 1 and self._last_backward() and u.place.trainable \
-                and not u.grads.reduced:
+        if self._reduces_in_backward() and self._last_backward() and u.place.trainable and not u.grads.reduced:
             self._closing = True  # See [Note: the accumulation window]
             p.grads.reduce(u)     # in program order on every rank
         if not self._start_early(u) and p.modes.opt_nvme and not p.modes.zero:
             p.grads.spill(u)      # bounded host memory until step()
+
+    def _reduces_in_backward(self) -> bool:
+        """Each unit's gradients are reduced in the window's last backward
+        (stages 0, 2, 3); stage 1 reduce-scatters them in ``step()``, unless
+        its updates may start during backward (BackwardSchedule)."""
+        return self.needs_reduce and self.p.modes.zero != 1
 
     def _start_early(self, u) -> bool:
         return False
@@ -340,10 +345,15 @@ class BackwardSchedule(StepSchedule):
         run early: clipping or fp16 without speculation)."""
         return trainable[::-1] if self.early_ok or self.spec is not None else trainable
 
+    def _reduces_in_backward(self) -> bool:
+        """Stage 1 too when updates may start early: its update needs the
+        reduce-scattered shard (see [Note: ZeRO shards in infinity])."""
+        return self.needs_reduce and (self.p.modes.zero != 1 or self.early_ok or self.spec is not None)
+
     def _start_early(self, u) -> bool:
         p = self.p
-        if not ((self.early_ok or self.spec is not None) and self._last_backward() and p.modes.zero != 1
-                and u.index not in self._running
+        if not ((self.early_ok or self.spec is not None) and self._last_backward()
+                and (p.modes.zero != 1 or u.grads.reduced) and u.index not in self._running
                 and not p.grads.stale):  # stale: see [Note: a backward after step() without zero_grad()]
             return False
         spec = None if self.early_ok else self.spec

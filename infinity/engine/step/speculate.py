@@ -42,6 +42,27 @@ scale with fp16) and no gradient overflowed:
   instead: 1, then 2, 4 and at most ``MAX_BACKOFF`` steps after replays
   in a row; a committed speculation ends the back-off.
 
+[Note: speculation on several ranks]
+Under data parallelism (stage 0) and ZeRO 1-3 each rank speculates on what
+it updates: the whole unit at stage 0, its own shard at stages 1-3. The
+update is queued only once that input is final, as without clipping: after
+the unit's all-reduce (stage 0) or reduce-scatter (1-3; stage 1, whose
+overlap="step" reduces in ``step()``, reduces in the window's last backward
+when updates may start early: ``BackwardSchedule._reduces_in_backward``),
+which the update's job waits for (``Gradients.wait``). The undo state
+covers what this rank's update writes: the shard's master and moments, and
+of the compute copy the own shard's elements (``_Undo.lo``: its offset in
+the full copy at stages 1-2; at stage 3 the home copy is the shard). The decision is the same on every
+rank because it reads reduced values only: the norm ``step()`` takes over
+the reduced gradients (summed over the ranks' shards at 2-3, the same
+all-reduced bytes on every rank at stage 0) and the loss scale, which every
+rank moves alike; so are the back-off's counters. A rank whose pool had no
+room for some unit's undo state updates that unit in ``step()``: the bytes
+are the same, the collectives too (reductions happen whether or not the
+update starts early). Stages 1-2's all-gather of the new compute copies
+runs in ``step()`` after every update, committed or replayed (and not at
+all for a skipped step), so it always carries overlap="step"'s bytes.
+
 The hyper-parameters are those of the step's first early update ([Note:
 hyper-parameters of early updates] in schedule.py), for the replay too.
 
@@ -82,7 +103,8 @@ class _Undo:
 
     buf: object
     state: Dict[str, torch.Tensor]  # kind -> its copy: master, moments (int8: and scales)
-    compute: torch.Tensor
+    compute: torch.Tensor           # the compute copy's elements [lo, lo + numel) the update writes
+    lo: int = 0                     # ZeRO 1-2: the own shard's first element in the full copy
     steps: Optional[List[int]] = None  # the slots' step counts, once the update began
     # (state ranges, compute ranges or None) the kernel calls saved; None: the whole buffers, saved ahead.
     runs: Optional[List[Tuple[Runs, Optional[Runs]]]] = None
@@ -94,7 +116,7 @@ class _Undo:
         self.runs.append((state, compute))
         kept = (self.state["master"], self.state["exp_avg"], self.state["exp_avg_sq"])
         return tuple([t[a:b] for a, b in state] for t in kept) + (
-            [self.compute[a:b] for a, b in compute] if compute is not None else None,)
+            [self.compute[a - self.lo:b - self.lo] for a, b in compute] if compute is not None else None,)
 
 
 class Speculation:
@@ -141,8 +163,10 @@ class Speculation:
             dt = kind_dtype(kind, md)
             n = nbytes(kind_numel(kind, sn), dt)
             state[kind], at = raw[at:at + n].view(dt), at + n
-        comp = raw[at:at + nbytes(tn, p.modes.dtype)].view(p.modes.dtype)
-        self._undo[u.index] = _Undo(buf, state, comp)
+        # See [Note: speculation on several ranks]: the part of the compute copy this rank's update writes.
+        comp = raw[at:at + nbytes(sn, p.modes.dtype)].view(p.modes.dtype)
+        lo = p.sharding.shard(tn)[0] if p.modes.zero in (1, 2) else 0
+        self._undo[u.index] = _Undo(buf, state, comp, lo)
         return True
 
     def save(self, u) -> None:
@@ -151,7 +175,7 @@ class Speculation:
         d, o = self._undo[u.index], u.opt
         for kind, t in d.state.items():
             t.copy_(getattr(o, kind))
-        d.compute.copy_(self.p.host_cache.home(u)[:d.compute.numel()])
+        d.compute.copy_(self.p.host_cache.home(u)[d.lo:d.lo + d.compute.numel()])
         d.steps = [s.step for s in u.layout.trainable_slots]
 
     def begin(self, u) -> Optional[_Undo]:
@@ -249,7 +273,7 @@ def _restore(u, d: _Undo, host_cache, compute: bool) -> None:
     if d.runs is None:  # saved whole, ahead: every kind (low-bit moments' scales too)
         for kind, t in d.state.items():
             getattr(o, kind).copy_(t)
-        runs = [([], [(0, d.compute.numel())])]
+        runs = [([], [(d.lo, d.lo + d.compute.numel())])]
     else:
         runs = d.runs
     for state, _ in runs:
@@ -261,7 +285,7 @@ def _restore(u, d: _Undo, host_cache, compute: bool) -> None:
         try:
             for _, c in runs:
                 for a, b in c or ():
-                    comp[a:b].copy_(d.compute[a:b])
+                    comp[a:b].copy_(d.compute[a - d.lo:b - d.lo])
         finally:
             host_cache.close_update(u)
     for s, n in zip(u.layout.trainable_slots, d.steps):
