@@ -59,6 +59,8 @@ from typing import Optional
 
 import torch
 
+from .safe_files import read_error
+
 __all__ = ["DirectStream", "DirectReader", "BLOCK", "DEPTH", "WRITE_DEPTH", "READ_DEPTH", "aligned_empty"]
 
 BLOCK = 8 << 20  # bytes per staging block and per write
@@ -217,6 +219,7 @@ class DirectReader:
     def __init__(self, path: str, fd: Optional[int] = None):
         """Opens ``path``, or reads ``fd`` (an fd on it, already opened and
         checked: safe_files.open_member; the reader closes it)."""
+        self.path = path
         if fd is not None:
             self._fd, self.direct = fd, _set_direct(fd)
         else:
@@ -239,13 +242,7 @@ class DirectReader:
     def _pread(self, i: int, b: int) -> int:
         view = memoryview(self._maps[i])
         try:
-            got, want = 0, min(BLOCK, self.size - b * BLOCK)
-            while got < want:
-                n = os.preadv(self._fd, [view[got:]], b * BLOCK + got)
-                if n == 0:
-                    break
-                got += n
-            return got
+            return self._pread_view(view[:min(BLOCK, self.size - b * BLOCK)], b * BLOCK)
         finally:
             view.release()
 
@@ -338,12 +335,18 @@ class DirectReader:
         return self._bounce.get()
 
     def _pread_view(self, view: memoryview, pos: int) -> int:
+        """Fills ``view`` from byte ``pos`` (short at the end of the file); an
+        I/O error names the file and the offset (a failing disk is told
+        apart from a corrupt checkpoint)."""
         got = 0
-        while got < len(view):
-            k = os.preadv(self._fd, [view[got:]], pos + got)
-            if k == 0:
-                break
-            got += k
+        try:
+            while got < len(view):
+                k = os.preadv(self._fd, [view[got:]], pos + got)
+                if k == 0:
+                    break
+                got += k
+        except OSError as exc:
+            raise read_error(self.path, exc, pos + got) from None
         return got
 
     def close(self) -> None:
