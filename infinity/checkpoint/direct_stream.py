@@ -242,7 +242,8 @@ class DirectReader:
     def _pread(self, i: int, b: int) -> int:
         view = memoryview(self._maps[i])
         try:
-            return self._pread_view(view[:min(BLOCK, self.size - b * BLOCK)], b * BLOCK)
+            # The whole (aligned) block is asked for: O_DIRECT refuses a shorter length; the file's end stops it.
+            return self._pread_view(view, b * BLOCK, min(BLOCK, self.size - b * BLOCK))
         finally:
             view.release()
 
@@ -334,13 +335,13 @@ class DirectReader:
                 return self._maps[-1]
         return self._bounce.get()
 
-    def _pread_view(self, view: memoryview, pos: int) -> int:
-        """Fills ``view`` from byte ``pos`` (short at the end of the file); an
-        I/O error names the file and the offset (a failing disk is told
-        apart from a corrupt checkpoint)."""
-        got = 0
+    def _pread_view(self, view: memoryview, pos: int, want: Optional[int] = None) -> int:
+        """Reads into ``view`` from byte ``pos`` until ``want`` bytes (default:
+        all of it) or the file's end; an I/O error names the file and the
+        offset (a failing disk is told apart from a corrupt checkpoint)."""
+        got, want = 0, len(view) if want is None else want
         try:
-            while got < len(view):
+            while got < want:
                 k = os.preadv(self._fd, [view[got:]], pos + got)
                 if k == 0:
                     break
