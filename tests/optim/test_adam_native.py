@@ -197,7 +197,7 @@ def test_native_call_releases_gil():
 
 def _run_py(code, env_extra):
     env = dict(os.environ, **env_extra)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_env_var_forces_simd_level():
