@@ -126,10 +126,12 @@ def mismatch(rank: int, world: int, rdzv: str, out_dir: str) -> None:
 
 
 def crash(rank: int, world: int, rdzv: str, out_dir: str) -> None:
-    """Rank 1 raises in the middle of a step; rank 0 must fail too, soon."""
+    """Rank 1 raises in the middle of a step; rank 0 must fail too, soon:
+    from rank 1's exit, long before the collectives' timeout (300 s here, so
+    a loaded machine's slow steps are never taken for a hang)."""
     import datetime
     import time
-    _init(rank, world, rdzv, timeout=datetime.timedelta(seconds=60))
+    _init(rank, world, rdzv, timeout=datetime.timedelta(seconds=300))
     cfg = infinity.Config(device="cpu", dtype="fp32", host_memory="256MiB", zero_stage=2, overlap="backward")
     model, opt = infinity.initialize(small_gpt(), cfg)
     x, y = batches(1, b=world)[0]

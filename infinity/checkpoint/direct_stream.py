@@ -59,6 +59,8 @@ from typing import Optional
 
 import torch
 
+from .safe_files import read_error
+
 __all__ = ["DirectStream", "DirectReader", "BLOCK", "DEPTH", "WRITE_DEPTH", "READ_DEPTH", "aligned_empty"]
 
 BLOCK = 8 << 20  # bytes per staging block and per write
@@ -217,6 +219,7 @@ class DirectReader:
     def __init__(self, path: str, fd: Optional[int] = None):
         """Opens ``path``, or reads ``fd`` (an fd on it, already opened and
         checked: safe_files.open_member; the reader closes it)."""
+        self.path = path
         if fd is not None:
             self._fd, self.direct = fd, _set_direct(fd)
         else:
@@ -239,13 +242,8 @@ class DirectReader:
     def _pread(self, i: int, b: int) -> int:
         view = memoryview(self._maps[i])
         try:
-            got, want = 0, min(BLOCK, self.size - b * BLOCK)
-            while got < want:
-                n = os.preadv(self._fd, [view[got:]], b * BLOCK + got)
-                if n == 0:
-                    break
-                got += n
-            return got
+            # The whole (aligned) block is asked for: O_DIRECT refuses a shorter length; the file's end stops it.
+            return self._pread_view(view, b * BLOCK, min(BLOCK, self.size - b * BLOCK))
         finally:
             view.release()
 
@@ -337,13 +335,19 @@ class DirectReader:
                 return self._maps[-1]
         return self._bounce.get()
 
-    def _pread_view(self, view: memoryview, pos: int) -> int:
-        got = 0
-        while got < len(view):
-            k = os.preadv(self._fd, [view[got:]], pos + got)
-            if k == 0:
-                break
-            got += k
+    def _pread_view(self, view: memoryview, pos: int, want: Optional[int] = None) -> int:
+        """Reads into ``view`` from byte ``pos`` until ``want`` bytes (default:
+        all of it) or the file's end; an I/O error names the file and the
+        offset (a failing disk is told apart from a corrupt checkpoint)."""
+        got, want = 0, len(view) if want is None else want
+        try:
+            while got < want:
+                k = os.preadv(self._fd, [view[got:]], pos + got)
+                if k == 0:
+                    break
+                got += k
+        except OSError as exc:
+            raise read_error(self.path, exc, pos + got) from None
         return got
 
     def close(self) -> None:

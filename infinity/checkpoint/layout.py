@@ -106,7 +106,8 @@ _SKIP_ERRNOS = (errno.ENOENT, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOT
 
 
 def _scan_error(path: str, exc: OSError) -> OSError:
-    return OSError(exc.errno, f"cannot read {path} while looking for the newest checkpoint: {exc.strerror}; "
+    why = os.strerror(exc.errno) if exc.errno else exc.strerror  # (not a reader's message naming the path again)
+    return OSError(exc.errno, f"cannot read {path} while looking for the newest checkpoint: {why}; "
                               "check the disk (dmesg) or pass the step-<N> folder to load explicitly")
 
 

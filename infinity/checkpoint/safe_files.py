@@ -26,7 +26,7 @@ import stat
 from typing import Tuple
 
 __all__ = ["CorruptCheckpointError", "member_path", "member_size", "open_member", "read_member", "parse_json",
-           "MAX_MANIFEST_BYTES", "MAX_HEADER_BYTES"]
+           "read_error", "MAX_MANIFEST_BYTES", "MAX_HEADER_BYTES"]
 
 # A manifest holds ~300 bytes a tensor (~100k tensors for the largest
 # models here) and one CRC a 4 MiB chunk: far below this bound.
@@ -65,6 +65,14 @@ def _refusal(path: str, exc: OSError) -> Exception:
         return CorruptCheckpointError(f"{path}: a symbolic link; infinity never follows links in a checkpoint "
                                       "folder (copy the file in instead of linking it)")
     return OSError(exc.errno, f"cannot read checkpoint file {path}: {exc.strerror}")
+
+
+def read_error(path: str, exc: OSError, pos: int) -> OSError:
+    """The OSError for a read of the checkpoint file ``path`` that failed at
+    byte ``pos`` (EIO from a failing disk, ...): same errno, the file and
+    offset named, so a dead disk is never taken for a corrupt checkpoint."""
+    return OSError(exc.errno, f"cannot read checkpoint file {path} at byte {pos}: {exc.strerror}; the disk or "
+                              "filesystem failed the read (check dmesg), the checkpoint may be whole")
 
 
 def _not_regular(path: str, st: os.stat_result) -> CorruptCheckpointError:
@@ -121,6 +129,8 @@ def read_member(ckpt: str, name, limit: int) -> bytes:
     try:
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(limit + 1) if size <= limit else b""  # (it may grow after the fstat: read no more)
+    except OSError as exc:
+        raise read_error(os.path.join(ckpt, name), exc, 0) from None
     finally:
         os.close(fd)
     if size > limit or len(data) > limit:

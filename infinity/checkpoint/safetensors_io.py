@@ -26,7 +26,7 @@ import torch
 from ..io.engine import crc32c
 from .chunk_sums import chunk_sums, combine_chunks
 from .direct_stream import DirectStream, aligned_empty
-from .safe_files import MAX_HEADER_BYTES, CorruptCheckpointError, open_member, parse_json
+from .safe_files import MAX_HEADER_BYTES, CorruptCheckpointError, open_member, parse_json, read_error
 
 __all__ = ["DTYPES", "Entry", "nbytes", "split_shards", "ShardWriter", "read_tensor", "read_range", "read_header",
            "CorruptCheckpointError", "CHUNK_BYTES", "record_dtype", "start_tensor", "start_range", "TensorRead",
@@ -147,14 +147,14 @@ def read_header(ckpt: str, fname: str) -> Tuple[dict, int]:
     path = os.path.join(ckpt, fname)
     fd, size = open_member(ckpt, fname)
     try:
-        head = os.pread(fd, 8, 0)
+        head = _pread(fd, path, 8, 0)
         if len(head) < 8:
             raise CorruptCheckpointError(f"{path}: {len(head)} bytes, not a safetensors file (truncated?)")
         n = struct.unpack("<Q", head)[0]
         if n > min(MAX_HEADER_BYTES, size - 8):
             raise CorruptCheckpointError(f"{path}: header of {n} bytes announced, the file has {size - 8} after the "
                                          f"length and a header may have {MAX_HEADER_BYTES} (truncated or corrupt)")
-        raw = os.pread(fd, n, 8)
+        raw = _pread(fd, path, n, 8)
     finally:
         os.close(fd)
     if len(raw) != n:
@@ -163,6 +163,13 @@ def read_header(ckpt: str, fname: str) -> Tuple[dict, int]:
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: header is not a JSON object")
     return header, 8 + n
+
+
+def _pread(fd: int, path: str, n: int, pos: int) -> bytes:
+    try:
+        return os.pread(fd, n, pos)
+    except OSError as exc:
+        raise read_error(path, exc, pos) from None
 
 
 def read_tensor(f, path: str, rec: dict, dtype: torch.dtype, shape: Sequence[int],

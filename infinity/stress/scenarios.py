@@ -190,6 +190,7 @@ def _rss_need(ctx: Context) -> int:
 # run's floor). And the steps it did run give the undisturbed run's losses.
 # It fails when it is killed (SIGKILL: the OOM killer), ends with any other
 # error, or a step's loss differs.
+GONE_WITHIN_S = 60  # the swap device gone: the run stops with a named error within this (not a hang)
 REFUSALS = ("BudgetError", "MemoryLimitError")  # named start-up refusals (infinity.engine.mechanism.tiers)
 SQUEEZED_OK = "finished, stopped with MemoryPressureError, or refused at start-up naming the bytes; " \
     "not OOM-killed; the steps run give the undisturbed losses"
@@ -370,8 +371,10 @@ def _device_gone(ctx: Context, ref: Dict[int, float]) -> Dict[str, bool]:
     finally:
         unmount(mnt, lazy=True)
     err, after = res["error"] or "", (res.get("error_after_s") or 0) - (res.get("last_step_at") or 0)
-    checks["swap device gone: a named I/O error naming the swap path, within 10 s"] = \
-        "Input/output error" in err and mnt in err and 0 <= after <= 10
+    # The promise is a named error, not a hang: at the next I/O, seconds after the last step on an idle
+    # machine. The bound leaves a loaded machine (steps of seconds) room, and still tells a hang apart.
+    checks[f"swap device gone: a named I/O error naming the swap path, within {GONE_WITHIN_S} s"] = \
+        "Input/output error" in err and mnt in err and 0 <= after <= GONE_WITHIN_S
     again = ctx.run(ctx.job(swap=os.path.join(ctx.swap_root, "after-gone"), ckpt=ck, resume=True))
     checks["swap device gone: resumed on another disk from the last checkpoint exactly"] = \
         again["error"] is None and bool(again["losses"]) and all(ref[k] == v for k, v in again["losses"].items())

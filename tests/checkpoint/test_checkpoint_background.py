@@ -7,6 +7,7 @@ the next step if never waited for, and loses nothing saved."""
 import errno
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -19,9 +20,16 @@ from infinity.checkpoint import owner, save
 from infinity.engine.faults import UsageError
 
 
-def _slow_writes(monkeypatch, seconds=0.004):
-    """Each tensor's write takes a while: the next steps run into the save's fence."""
-    monkeypatch.setattr(save, "test_hook", lambda point: time.sleep(seconds) if point == "tensor" else None)
+def _slow_writes(monkeypatch, seconds=0.004, hold=None):
+    """Each tensor's write takes a while: the next steps run into the save's
+    fence. ``hold`` (a threading.Event): no tensor is written before it is
+    set, so "not done yet" is a state, not a race with a loaded machine."""
+    def hook(point):
+        if point == "tensor":
+            if hold is not None:
+                assert hold.wait(300), "the test never let the save write"
+            time.sleep(seconds)
+    monkeypatch.setattr(save, "test_hook", hook)
 
 
 def _contents(path):
@@ -43,11 +51,13 @@ def test_background_save_is_the_state_at_the_call(tmp_path, monkeypatch, params,
     want = infinity.save_checkpoint(tmp_path / "sync", m, o, extra={"next": 3})
     infinity.close(m)
 
-    _slow_writes(monkeypatch)
+    hold = threading.Event()
+    _slow_writes(monkeypatch, hold=hold)
     m, o, _ = make(tmp_path, "bg", params, opt, overlap)
     train(m, o, None, batches[:3])
     pending = infinity.save_checkpoint(tmp_path / "bg", m, o, extra={"next": 3}, blocking=False)
     assert isinstance(pending, infinity.AsyncCheckpoint) and not pending.done()
+    hold.set()
     train(m, o, None, batches[3:])  # three more steps while it writes: their updates wait for it
     got = pending.wait()
     assert got.name == want.name

@@ -19,7 +19,7 @@ import torch
 from test_checkpoint import HERE_AND_TESTS, data, make, train
 
 import infinity
-from infinity.checkpoint import layout, owner
+from infinity.checkpoint import direct_stream, layout, owner
 from infinity.checkpoint.owner import CheckpointLockedError
 from infinity.engine.faults import UsageError
 
@@ -226,6 +226,31 @@ def test_an_io_error_while_scanning_names_the_path(run, tmp_path, monkeypatch, w
     with pytest.raises(OSError, match=f"cannot read {bad} while looking for the newest checkpoint") as e:
         infinity.load_checkpoint(root, m, o)
     assert e.value.errno == errno.EIO and not isinstance(e.value, FileNotFoundError)
+
+
+@pytest.mark.parametrize("reader", ["load", "verify"])
+def test_an_io_error_mid_load_names_the_file_and_fails_the_engine(run, tmp_path, monkeypatch, reader):
+    """EIO while the tensors are read (a disk failing under the load) is an
+    OSError naming the checkpoint file and the offset, not a bare errno nor
+    a corrupt checkpoint; a load it interrupts fails the engine."""
+    ckpt = _save(run, tmp_path / "ck", 1)
+    m, o, _ = make(tmp_path, "dst", "host", "host")
+
+    def failing(*a, **kw):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(direct_stream.os, "preadv", failing)
+    with pytest.raises(OSError, match=f"cannot read checkpoint file {ckpt}/.*safetensors at byte \\d+: "
+                                      "Input/output error") as e:
+        if reader == "load":
+            infinity.load_checkpoint(tmp_path / "ck", m, o)
+        else:
+            infinity.verify_checkpoint(ckpt)
+    assert e.value.errno == errno.EIO and not isinstance(e.value, infinity.CorruptCheckpointError)
+    monkeypatch.undo()
+    if reader == "load":
+        with pytest.raises(infinity.EngineFailedError):
+            infinity.full_state_dict(m)
+    infinity.close(m)
 
 
 def test_keep_last_does_not_raise_after_the_commit(run, tmp_path, monkeypatch):

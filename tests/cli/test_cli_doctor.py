@@ -4,7 +4,6 @@ a read-only filesystem, tmpfs, a disk too small, a locked path, a CONFIG's need.
 import errno
 import os
 import subprocess
-import time
 
 import pytest
 
@@ -27,15 +26,13 @@ def _status(out, path, check):
 def test_good_path_leaves_nothing(tmp_path, capsys):
     p = tmp_path / "swap"
     p.mkdir(mode=0o700)
-    t0 = time.perf_counter()
     assert cli("doctor", "--swap-path", p, *FAST) == 0
-    took = time.perf_counter() - t0
     out = capsys.readouterr().out
     for check in ("path", "filesystem", "O_DIRECT", "free space", "bandwidth", "lock"):
         assert _status(out, p, check) in ("OK", "WARN"), check
     assert _status(out, p, "path") == "OK" and "MB/s" in out
     assert "memlock limit" in out and "native library" in out and "CUDA" in out
-    assert list(p.iterdir()) == [] and took < 15
+    assert list(p.iterdir()) == []
 
 
 def test_missing_parent_is_created_later_and_nothing_now(tmp_path, capsys):

@@ -151,10 +151,10 @@ def test_resume_continues_to_the_uninterrupted_losses_and_verify_consolidate(tmp
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     ck = tmp_path / "ckpt"
     r = subprocess.run([sys.executable, "-m", "infinity", "verify", str(ck)], env=env, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
     r = subprocess.run([sys.executable, "-m", "infinity", "consolidate", str(ck), str(tmp_path / "hf")], env=env,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and (tmp_path / "hf" / "model.safetensors").exists(), r.stderr
     newest = sorted(p for p in ck.iterdir() if p.name.startswith("step-"))[-1]
     shard = next(newest.glob("model-*.safetensors"))
@@ -164,7 +164,7 @@ def test_resume_continues_to_the_uninterrupted_losses_and_verify_consolidate(tmp
         f.seek(-5, 2)
         f.write(bytes([b[0] ^ 1]))
     r = subprocess.run([sys.executable, "-m", "infinity", "verify", str(ck)], env=env, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=300)
     assert r.returncode == 1 and "CRC32C" in r.stdout, r.stdout + r.stderr
 
 

@@ -61,7 +61,7 @@ class Read:
 
     def wait(self):
         if self.gate is not None:
-            assert self.gate.wait(10)
+            assert self.gate.wait(300)
         self.dst.copy_(self.values)
         self.waited = True
 

@@ -52,7 +52,7 @@ class Updater:
         assert undo is None  # these schedules run no speculative update
         gate = self.gates.get(u.index)
         if gate is not None:
-            assert gate.wait(5), "gate never opened"
+            assert gate.wait(300), "gate never opened"
         out[:u.place.trainable_numel].sub_(grad * scale)
         self.calls.append((u.index, scale, threading.current_thread().name.startswith("infinity-host")))
 

@@ -47,13 +47,13 @@ def results(tmp_path, proc, stages):
 
 
 def test_plan_fits_the_budget_and_only_names_a_stage(tmp_path):
-    proc = check(tmp_path, "--dry-run", "--plan", timeout=30)  # the GPU run's plan, also from a dry run
+    proc = check(tmp_path, "--dry-run", "--plan")  # the GPU run's plan, also from a dry run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"^(\w+)\s+(\d+)\s+(\d+)$", proc.stdout, re.M)
     assert [r[0] for r in rows] == STAGES
     assert sum(int(r[1]) for r in rows) <= 420
-    assert check(tmp_path, "--plan", "--budget", "300", timeout=30).returncode == 1  # caps over the budget
-    bad = check(tmp_path, "--only", "probe,nosuch", timeout=30)
+    assert check(tmp_path, "--plan", "--budget", "300").returncode == 1  # caps over the budget
+    bad = check(tmp_path, "--only", "probe,nosuch")
     assert bad.returncode == 2 and "no stage 'nosuch'" in bad.stderr
 
 

@@ -1,20 +1,30 @@
 """A long run leaks nothing (issue 18): over 1,000 steps of an NVMe-offloaded
-model with updates during backward, open file descriptors, swap bytes and
-threads stay flat, and the slopes of the Python heap and of RSS over the
-last 500 are bounded (hooks made reference cycles per step; retried handles
-held their tensors). The heap settles in the first ~500 steps (the
-interpreter's own caches of specialised code: +170 KB, then flat)."""
+model with updates during backward, open file descriptors and swap bytes
+stay flat, threads stay within the runtime's known set, and the slopes of
+the Python heap and of RSS over the last 500 are bounded (hooks made
+reference cycles per step; retried handles held their tensors). The heap
+settles in the first ~500 steps (the interpreter's own caches of
+specialised code: +170 KB, then flat).
 
+Judged as the stress soak judges (see [Note: what the soak judges] in
+infinity/stress/soak.py), so a loaded machine passes as an idle one does:
+executors start their threads lazily (under load one may first start after
+the warm-up), so threads are held to their known bound at every sample, not
+to the first sample's count; the slopes are fitted to a sample every step,
+enough samples for the allocator's step-to-step noise to fall far below the
+thresholds."""
+
+import array
 import os
-import threading
 import tracemalloc
 
 import torch
 
 import infinity
+from infinity.stress.soak import thread_bounds, thread_counts
 from paging_zoo import Chain, base_config
 
-STEPS, WARMUP, EVERY = 1000, 500, 25
+STEPS, WARMUP = 1000, 500
 HEAP_SLOPE_BYTES_PER_STEP = 32   # measured ~4: far under one small object a step
 RSS_SLOPE_BYTES_PER_STEP = 1024  # page-granular and noisy; a leaked buffer a step is >= 4096
 
@@ -41,10 +51,15 @@ def test_a_thousand_steps_leak_no_fds_swap_bytes_threads_heap_or_rss(tmp_path):
     torch.manual_seed(0)
     cfg = infinity.Config(**base_config(offload_params="nvme", offload_optimizer="nvme", device_memory=1 << 20,
                                         swap_paths=[str(tmp_path)], swap_block_size=4096, overlap="backward"))
+    others = thread_counts()  # threads not of this run (pytest's, earlier tests'): not judged
+    bounds = thread_bounds(cfg.swap_queue_depth)
     m, o = infinity.initialize(Chain([32, 16, 64, 8]), cfg, lr=1e-3)
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(8)]
-    samples = []
+    # One sample a step after warm-up, into arrays made before tracing starts: the samples add nothing to the heap.
+    n = STEPS - WARMUP + 1
+    steps, heap, fds, swap, rss = (array.array("q", bytes(8 * n)) for _ in range(5))
+    over = []
     tracemalloc.start()
     try:
         for step in range(1, STEPS + 1):
@@ -53,21 +68,24 @@ def test_a_thousand_steps_leak_no_fds_swap_bytes_threads_heap_or_rss(tmp_path):
             loss.backward()
             o.step()
             o.zero_grad()
-            if step >= WARMUP and step % EVERY == 0:
-                samples.append((step, tracemalloc.get_traced_memory()[0], _fds(), _swap_bytes(tmp_path),
-                                threading.active_count(), _rss()))
+            if step >= WARMUP:
+                i = step - WARMUP
+                steps[i], heap[i], fds[i] = step, tracemalloc.get_traced_memory()[0], _fds()
+                swap[i], rss[i] = _swap_bytes(tmp_path), _rss()
+                over += [(step, name, c - others.get(name, 0)) for name, c in thread_counts().items()
+                         if c - others.get(name, 0) > bounds.get(name, 0)]
     finally:
         tracemalloc.stop()
     assert torch.isfinite(loss)
     infinity.close(m)
-    steps, heap, fds, swap, threads, rss = zip(*samples)
-    assert len(set(fds)) == 1, f"open fds per sample: {fds}"
-    assert len(set(swap)) == 1, f"swap bytes per sample: {swap}"
-    assert len(set(threads)) == 1, f"threads per sample: {threads}"
+    half = n // 2  # a growth that continues, not a transient fd at one sample (a thread of another's)
+    assert max(fds[half:]) <= max(fds[:half]), f"open fds grow: {list(fds[::50])}"
+    assert len(set(swap)) == 1, f"swap bytes per sample: {sorted(set(swap))}"
+    assert not over, f"threads beyond the runtime's known set {bounds} (step, name, count): {over[:5]}"
     slope = _slope(steps, heap)
-    assert slope < HEAP_SLOPE_BYTES_PER_STEP, f"heap grows {slope:.0f} B/step: {heap}"
+    assert slope < HEAP_SLOPE_BYTES_PER_STEP, f"heap grows {slope:.0f} B/step: {list(heap[::50])}"
     slope = _slope(steps, rss)
-    assert slope < RSS_SLOPE_BYTES_PER_STEP, f"RSS grows {slope:.0f} B/step: {rss}"
+    assert slope < RSS_SLOPE_BYTES_PER_STEP, f"RSS grows {slope:.0f} B/step: {list(rss[::50])}"
     assert _fds() < fds[0], "close() gives back the run's fds"
 
 

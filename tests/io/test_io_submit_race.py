@@ -28,7 +28,7 @@ def test_a_transfer_being_submitted_is_not_completed_by_another_thread(tmp_path,
             buf = real_stage(self, nbytes, exclude)
             if exclude.op == op:  # staging taken, its request not submitted yet
                 took.set()
-                assert go.wait(10)
+                assert go.wait(300)
             return buf
 
         monkeypatch.setattr(swap_transfer.Transfers, "_stage", paused_stage)
@@ -38,7 +38,7 @@ def test_a_transfer_being_submitted_is_not_completed_by_another_thread(tmp_path,
             (lambda: handles.append(store.write("k", unaligned(x))))
         submitter = threading.Thread(target=submit)
         submitter.start()
-        assert took.wait(10)
+        assert took.wait(300)
         (h,) = store._transfers.pending()
         assert not h.done(), "a transfer still being submitted is not done"
         completer = threading.Thread(target=h._complete)
@@ -46,8 +46,8 @@ def test_a_transfer_being_submitted_is_not_completed_by_another_thread(tmp_path,
         completer.join(0.3)
         assert completer.is_alive(), "another thread's _complete() waits for the submission"
         go.set()
-        submitter.join(10)
-        completer.join(10)
+        submitter.join(300)
+        completer.join(300)
         assert not completer.is_alive() and handles and handles[0] is h
         h.wait()
         monkeypatch.undo()

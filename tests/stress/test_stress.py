@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_quick_stress_passes_every_scenario(tmp_path):
     r = subprocess.run([sys.executable, "-m", "infinity", "stress", "--quick", "--out", str(tmp_path / "out"),
-                        "--swap-path", str(tmp_path / "swap")], capture_output=True, text=True, timeout=900,
+                        "--swap-path", str(tmp_path / "swap")], capture_output=True, text=True, timeout=1800,
                        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     rows = json.loads((tmp_path / "out" / "stress.json").read_text())
     assert [row["name"].split(" (")[0] for row in rows] == ["budget squeeze", "RAM squeeze", "pinned-memory squeeze",

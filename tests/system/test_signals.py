@@ -64,7 +64,7 @@ def test_sigterm_aborts_the_step_removes_the_swap_files_and_exits_143(tmp_path, 
     assert any((swap / "rank0").iterdir()), "the run's swap files exist while it runs"
     proc.send_signal(signal.SIGTERM)
     try:
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
@@ -79,6 +79,6 @@ def test_a_programs_own_sigterm_handler_is_kept(tmp_path):
     assert "infinity.system.signals" not in _wait_for(proc, "handler")
     _wait_for(proc, "step 1")
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "own handler" in out
