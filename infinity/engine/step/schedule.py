@@ -92,9 +92,11 @@ class StepSchedule:
 
     def _reduces_in_backward(self) -> bool:
         """Each unit's gradients are reduced in the window's last backward
-        (stages 0, 2, 3); stage 1 reduce-scatters them in ``step()``, unless
-        its updates may start during backward (BackwardSchedule)."""
-        return self.needs_reduce and self.p.modes.zero != 1
+        (stages 0, 2, 3, and stage 1 reduced on the device: [Note: where
+        gradients are reduced] in placement.py); stage 1 on the host
+        reduce-scatters them in ``step()``, unless its updates may start
+        during backward (BackwardSchedule)."""
+        return self.needs_reduce and (self.p.modes.zero != 1 or self.p.modes.reduce_on_device)
 
     def _start_early(self, u) -> bool:
         return False
@@ -348,7 +350,7 @@ class BackwardSchedule(StepSchedule):
     def _reduces_in_backward(self) -> bool:
         """Stage 1 too when updates may start early: its update needs the
         reduce-scattered shard (see [Note: ZeRO shards in infinity])."""
-        return self.needs_reduce and (self.p.modes.zero != 1 or self.early_ok or self.spec is not None)
+        return super()._reduces_in_backward() or (self.needs_reduce and (self.early_ok or self.spec is not None))
 
     def _start_early(self, u) -> bool:
         p = self.p
