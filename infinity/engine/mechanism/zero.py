@@ -5,8 +5,10 @@ Every unit's trainable range ``[0, trainable_numel)`` is padded to a multiple
 of the world size (``Layout(pad_to=world)``) and cut into equal shards; rank r
 owns ``[r*S, (r+1)*S)``. Stage 1 keeps the fp32 master and the Adam moments for
 the own shard only; gradients accumulate in full on every rank and are
-reduce-scattered once per step (in ``step()``; with ``overlap="backward"``
-each unit's in the last backward of the window, so its update starts then). Stage 2 also drops full gradients: in the last
+reduce-scattered once per step (in ``step()``; with ``overlap="backward"``,
+or reduced on the device ([Note: where gradients are reduced] in
+placement.py: then the full gradients never reach the host), each unit's in
+the last backward of the window, so its update may start then). Stage 2 also drops full gradients: in the last
 backward of the accumulation window each unit's gradients are reduce-scattered
 as soon as the unit's last gradient has left the device, and only the shard
 stays (with ``overlap="backward"`` its update then runs during backward).
