@@ -288,13 +288,16 @@ class Sharding:
             self._wire(full, True)
         return CollectiveTicket([work], None, then=ticket, keep=(full, result), clock=self.clock)
 
-    def all_gather_(self, full: torch.Tensor) -> None:
-        """Fills every shard of ``full`` from its owner (in place: the own shard is the input)."""
+    def all_gather_(self, full: torch.Tensor, async_op: bool = False) -> Optional["CollectiveTicket"]:
+        """Fills every shard of ``full`` from its owner (in place: the own
+        shard is the input). ``async_op``: returns at once with a ticket
+        (``wait()`` before reading ``full`` or writing the own shard)."""
         lo, hi = self.shard(full.numel())
-        with self._synchronous():
-            _all_gather(full, full[lo:hi], group=self._group_of(full))
+        with contextlib.nullcontext() if async_op else self._synchronous():
+            work = _all_gather(full, full[lo:hi], group=self._group_of(full), async_op=async_op)
         self.stats.moved("all_gather", full.numel() * full.element_size())
         self._wire(full, False)
+        return self._ticket(work, full) if async_op else None
 
     def all_gather(self, shard: torch.Tensor, numel: int) -> torch.Tensor:
         """A new full tensor of ``numel`` elements gathered from every rank's ``shard``."""
