@@ -261,6 +261,12 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     thread budget] in engine/plan/limits.py); ``model_flops_per_token``
     (FLOPs of one token's forward and backward: [Note: model FLOPs] in
     progress.py; times tokens/s gives model FLOP/s, see ``infinity.on_steps``);
+    ``comm_seconds`` (the collectives' own durations on several ranks) and
+    ``comm_wait_seconds`` (of them, the exposed part: what the engine's
+    threads waited for), each ``{"total": s, "step": the last step's}``, and
+    ``comm_hidden`` (the share of the last step's collective time hidden
+    behind compute, None without collectives): [Note: exposed communication
+    time] in engine/mechanism/comm_clock.py;
     ``step_seconds`` (the last step's wall time, end of the previous
     ``step()`` to the end of this one) and ``predicted_step`` (None, or the
     prediction given to :func:`set_step_prediction`);
@@ -309,6 +315,10 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "host_cache_cap": eng.room.cap_bytes,
         "optimizer_threads": opt.threads if opt is not None else None,
         "model_flops_per_token": _flops_per_token(eng),
+        "comm_seconds": {"total": s.comm_seconds, "step": s.step_comm_seconds},
+        "comm_wait_seconds": {"total": s.comm_wait_seconds, "step": s.step_comm_wait_seconds},
+        "comm_hidden": (max(0.0, 1.0 - s.step_comm_wait_seconds / s.step_comm_seconds)
+                        if s.step_comm_seconds > 0 else None),
         "step_seconds": s.step_seconds,
         "predicted_step": _PREDICTED.get(eng),
     }

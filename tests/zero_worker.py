@@ -201,7 +201,7 @@ def _check_collectives(s, ranks: list, mover) -> None:
     assert torch.equal(out_sync, out_async), (out_sync, out_async)
     host_out, dev_out = torch.empty(8), torch.empty(8)  # the device path: reduce-scatter, then the shard's copy
     before = dict(s.stats.bytes_moved)
-    ticket = s.reduce_scatter_to_host(host_out, full.clone(), dev_out, mover)
+    ticket = s.reduce_to_host(host_out, full.clone(), dev_out, mover)
     ticket.wait()
     assert ticket.done() and ticket.keep == () and torch.equal(host_out, out_sync), (host_out, out_sync)
     sent = s.stats.bytes_moved["net_device"] - before.get("net_device", 0)

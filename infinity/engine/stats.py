@@ -33,6 +33,12 @@ class Stats:
     spec_units_without_room: int = 0  # units that waited for step(): no host room for their undo state
     spec_replay_seconds: float = 0.0  # rollbacks and redone updates
     spec_off: str = ""               # why speculation is not available in this run ("" if it is, or not needed)
+    # See [Note: exposed communication time] in mechanism/comm_clock.py:
+    comm_seconds: float = 0.0        # the collectives' own durations
+    comm_wait_seconds: float = 0.0   # of them, what threads waited for (exposed)
+    step_comm_seconds: float = 0.0   # the last step's
+    step_comm_wait_seconds: float = 0.0
+    _step_comm: tuple = (0.0, 0.0)
     step_seconds: float = 0.0        # the last step: end of the previous step() (or initialize) to the end of this one
     _window_t: Optional[float] = None
 
@@ -49,6 +55,9 @@ class Stats:
         self._window_t = now
         self.step_bytes_moved = {k: v - self._step_start.get(k, 0) for k, v in self.bytes_moved.items()}
         self._step_start = dict(self.bytes_moved)
+        comm = (self.comm_seconds, self.comm_wait_seconds)
+        self.step_comm_seconds, self.step_comm_wait_seconds = comm[0] - self._step_comm[0], comm[1] - self._step_comm[1]
+        self._step_comm = comm
 
 
 class Timer:

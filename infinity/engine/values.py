@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from .mechanism.nvme import key as swap_key
 from .plan.opt_kinds import kind_dtype, kind_numel, state_kinds
+from .plan.placement import stage1_full_grads
 from .plan.state import OptState
 from .plan.units import Layout
 
@@ -111,14 +112,14 @@ class Values:
         sn, f32 = u.place.state_numel, torch.float32
         if m.opt_nvme:
             shard = p.room.alloc(sn, f32) if m.zero else None
-            p.grads.set_permanent(u, p.room.alloc(tn, f32) if m.zero == 1 else None, shard=shard)
+            p.grads.set_permanent(u, p.room.alloc(tn, f32) if stage1_full_grads(m) else None, shard=shard)
             return torch.zeros(tn, dtype=f32)  # the own shard goes to NVMe (see _fill)
         if m.host_optimizer:
             # [Note: low-bit moments in the engine] in opt_kinds.py: zeros are moments of zero.
             st = [p.room.alloc(kind_numel(k, sn), kind_dtype(k, m.moment_dtype)) for k in state_kinds(m.moment_dtype)]
             p.optstate.set_resident(u, *st)
             if m.zero:  # See [Note: ZeRO shards in infinity].
-                p.grads.set_permanent(u, p.room.alloc(tn, f32) if m.zero == 1 else None,
+                p.grads.set_permanent(u, p.room.alloc(tn, f32) if stage1_full_grads(m) else None,
                                       shard=p.room.alloc(sn, f32))
                 return torch.zeros(tn, dtype=f32)
             p.grads.set_permanent(u, p.room.alloc(tn, m.grad_dtype),

@@ -155,3 +155,28 @@ def test_no_fit_states_the_need_not_the_machine(tmp_path, monkeypatch):
     said_mib = float(number) * {"KiB": 2**-10, "MiB": 1, "GiB": 2**10}[unit]
     assert abs(said_mib - need) < max(8, need * 0.01), (got, need)  # the baseline RSS moves a little
     assert "turn on activation checkpointing" in got and "lower host_memory toward the host minimum" in got
+
+
+def test_device_peak_counts_the_device_reduction_at_every_stage(tmp_path):
+    """[Note: where gradients are reduced]: on 2 ranks every stage reduces on
+    the device, so the device peak holds the largest unit's flat fp32
+    gradient (and its shard at stages 1-3) beside one parameter's gradient;
+    with accumulation the host path's one parameter gradient only."""
+    import infinity
+    from infinity.engine.plan.estimator import estimate_peaks, placed
+    from infinity.engine.plan.placement import device_reduce_bytes
+    model, forward = _meta_gpt()
+    largest_param = max(4 * p.numel() for p in model.parameters())
+    for stage in (0, 1, 2, 3):
+        for accum in (1, 2):
+            cfg = infinity.Config(device="cpu", dtype="fp32", offload_params="host", offload_optimizer="host",
+                                  zero_stage=stage, grad_accumulation_steps=accum)
+            _, modes, places = placed(model, cfg, world=2)
+            got = estimate_peaks(model, cfg, forward, world=2, baseline_rss=0)["device"]["gradients_in_flight"]
+            assert modes.reduce_on_device is (accum == 1), (stage, accum)
+            if accum == 1:
+                flat = max(device_reduce_bytes(p.trainable_numel, modes) for p in places)
+                assert flat == max(4 * p.trainable_numel for p in places) * (3 if stage else 2) // 2
+                assert got == flat + largest_param, (stage, got, flat)
+            else:
+                assert got == largest_param, (stage, got)

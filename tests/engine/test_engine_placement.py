@@ -102,15 +102,34 @@ def test_host_need_zero_stages():
             assert need.minimum == need.permanent + 8192 and need.capacity == need.permanent + 8192
 
 
-@pytest.mark.parametrize("stage, world, accum, why", [
-    (2, 2, 1, None), (3, 4, 1, None),
-    (2, 1, 1, "one rank"), (1, 2, 1, "zero_stage=1"), (0, 2, 1, "zero_stage=0"), (3, 2, 2, "grad_accumulation_steps=2"),
+@pytest.mark.parametrize("stage, world, accum, opt, overlap, why", [
+    (2, 2, 1, "host", "step", None), (3, 4, 1, "nvme", "backward", None), (1, 2, 1, "host", "step", None),
+    (1, 2, 1, "nvme", "backward", None), (0, 2, 1, "host", "step", None), (0, 4, 1, "host", "backward", None),
+    (2, 1, 1, "host", "step", "one rank"), (3, 2, 2, "host", "step", "grad_accumulation_steps=2"),
+    (1, 2, 4, "host", "step", "grad_accumulation_steps=4"), (0, 2, 1, "nvme", "step", "offload_optimizer='nvme'"),
+    (0, 2, 1, "none", "step", "offload_optimizer='none'"), (0, 2, 1, "host", "delayed", "overlap='delayed'"),
 ])
-def test_where_gradients_are_reduced(stage, world, accum, why):
-    """[Note: where gradients are reduced]: on the device at stages 2-3 on
-    several ranks without accumulation; otherwise the reason names the setting."""
-    got = pl.host_reduction_reason(stage, world, accum)
+def test_where_gradients_are_reduced(stage, world, accum, opt, overlap, why):
+    """[Note: where gradients are reduced]: on the device at every stage on
+    several ranks without accumulation, but for stage 0's gradients kept off
+    the host buffers' way (NVMe spills, the device optimizer, delayed
+    updates); otherwise the reason names the setting."""
+    got = pl.host_reduction_reason(stage, world, accum, opt, overlap)
     assert got is None if why is None else why in got, got
+
+
+def test_device_reduction_at_stages_0_and_1():
+    """Stage 0 all-reduces the flat buffer in place (no device shard: one
+    unit's fp32 gradients a unit in the reserve); stage 1 reserves as stage 2
+    does and keeps no full gradients on the host for good."""
+    import dataclasses
+    for zero, per_unit in ((0, 4096 * 4), (1, (4096 + 2048) * 4)):
+        m = dataclasses.replace(modes(zero=zero, world=2), reduce_on_device=True)
+        places = [pl.place_unit(layout(2048, pad_to=2), m), pl.place_unit(layout(4096, pad_to=2), m)]
+        assert pl.device_need(places, [False, False], m).grad_reserve == 2 * per_unit
+    host1, dev1 = modes(zero=1, world=2), dataclasses.replace(modes(zero=1, world=2), reduce_on_device=True)
+    places = [pl.place_unit(layout(2048, pad_to=2), host1)]
+    assert pl.host_need(places, host1).permanent - pl.host_need(places, dev1).permanent == 8192  # the full fp32 grads
 
 
 def test_device_reduction_reserves_two_units_on_the_device_and_none_on_the_host():

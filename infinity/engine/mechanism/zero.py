@@ -5,8 +5,10 @@ Every unit's trainable range ``[0, trainable_numel)`` is padded to a multiple
 of the world size (``Layout(pad_to=world)``) and cut into equal shards; rank r
 owns ``[r*S, (r+1)*S)``. Stage 1 keeps the fp32 master and the Adam moments for
 the own shard only; gradients accumulate in full on every rank and are
-reduce-scattered once per step (in ``step()``; with ``overlap="backward"``
-each unit's in the last backward of the window, so its update starts then). Stage 2 also drops full gradients: in the last
+reduce-scattered once per step (in ``step()``; with ``overlap="backward"``,
+or reduced on the device ([Note: where gradients are reduced] in
+placement.py: then the full gradients never reach the host), each unit's in
+the last backward of the window, so its update may start then). Stage 2 also drops full gradients: in the last
 backward of the accumulation window each unit's gradients are reduce-scattered
 as soon as the unit's last gradient has left the device, and only the shard
 stays (with ``overlap="backward"`` its update then runs during backward).
@@ -83,12 +85,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..stats import Stats
+from .comm_clock import CommClock
 
 __all__ = ["Sharding", "CollectiveTicket", "GatherTicket", "backend_serves_cpu"]
 
@@ -182,6 +186,7 @@ class Sharding:
         self.sharded = stage > 0
         self.shards = self.world if self.sharded else 1  # what buffers are padded to and split into
         self.stats = stats
+        self.clock = CommClock(stats)  # See [Note: exposed communication time] in comm_clock.py
         self._side_streams: Dict[int, object] = {}  # CUDA device index -> the collectives' side stream
 
     def _group_of(self, t: torch.Tensor, on_device: bool = False):
@@ -208,7 +213,19 @@ class Sharding:
         return self._side_streams[index]
 
     def _ticket(self, work, t: torch.Tensor) -> "CollectiveTicket":
-        return CollectiveTicket([work], self._side_stream(t))
+        return CollectiveTicket([self._timed(work, t.is_cuda)], self._side_stream(t), clock=self.clock)
+
+    def _timed(self, work, on_cuda: bool = False):
+        """``work`` (an asynchronous collective just issued), its duration measured by the clock."""
+        self.clock.issued(work, on_cuda)
+        return work
+
+    @contextlib.contextmanager
+    def _synchronous(self):
+        """Times a synchronous collective (all of it is exposed)."""
+        t0 = time.perf_counter()
+        yield
+        self.clock.synchronous(t0)
 
     def shard(self, numel: int) -> Tuple[int, int]:
         """(lo, hi) element range of the own shard of a buffer of ``numel`` (a multiple of world)."""
@@ -222,19 +239,22 @@ class Sharding:
         """``out`` (own shard) = sum over ranks of ``full``'s matching shard.
         ``async_op``: returns at once with a ticket (``wait()`` before reading
         ``out`` or rewriting ``full``); else returns None when done."""
-        work = _reduce_scatter(out, full, group=self._group_of(full), async_op=async_op)
+        with contextlib.nullcontext() if async_op else self._synchronous():
+            work = _reduce_scatter(out, full, group=self._group_of(full), async_op=async_op)
         self.stats.moved("reduce_scatter", full.numel() * full.element_size())
         self._wire(full, False)
         return self._ticket(work, full) if async_op else None
 
-    def reduce_scatter_to_host(self, host_out: torch.Tensor, full: torch.Tensor, dev_out: torch.Tensor,
-                               mover) -> "CollectiveTicket":
-        """The device path of [Note: where gradients are reduced]: ``dev_out``
-        (the own shard, on the device) = the sum over the ranks of ``full``'s
-        matching shard, reduce-scattered on the device group, then copied into
-        ``host_out`` by ``mover``'s ``d2h``. Asynchronous: the ticket's
-        ``wait()`` returns once ``host_out`` holds the sum; it keeps ``full``
-        and ``dev_out`` alive until then.
+    def reduce_to_host(self, host_out: torch.Tensor, full: torch.Tensor, dev_out: Optional[torch.Tensor],
+                       mover) -> "CollectiveTicket":
+        """The device path of [Note: where gradients are reduced]: with a
+        ``dev_out`` (the own shard, on the device) it becomes the sum over the
+        ranks of ``full``'s matching shard (a reduce-scatter), without one
+        ``full`` becomes the sum itself (an all-reduce, stage 0), on the device
+        group; then the result is copied into ``host_out`` by ``mover``'s
+        ``d2h``. Asynchronous: the ticket's ``wait()`` returns once
+        ``host_out`` holds the sum; it keeps ``full`` and ``dev_out`` alive
+        until then.
 
         On CUDA the collective is issued from the side stream after the
         compute queued so far (which wrote ``full``), the side stream waits
@@ -243,30 +263,47 @@ class Sharding:
         thread waits for it, then starts the copy; backward goes on meanwhile.
         """
         group, side = self.device_group, self._side_stream(full)
+        result = full if dev_out is None else dev_out
+
+        def issue():
+            if dev_out is None:
+                return dist.all_reduce(full, group=group, async_op=True)
+            return _reduce_scatter(dev_out, full, group=group, async_op=True)
+
         if side is None:
-            work = _reduce_scatter(dev_out, full, group=group, async_op=True)
-            ticket = mover.chain(work.wait, lambda: mover.d2h(host_out, dev_out))
+            work = self._timed(issue())
+            ticket = mover.chain(work.wait, lambda: mover.d2h(host_out, result))
         else:
             side.wait_stream(torch.cuda.current_stream(full.device))
             with torch.cuda.stream(side):
-                work = _reduce_scatter(dev_out, full, group=group, async_op=True)
+                work = self._timed(issue(), True)
                 work.wait()  # the side stream waits for NCCL; the copy below waits for the side stream
-                ticket = mover.d2h(host_out, dev_out)
-        self.stats.moved("reduce_scatter", full.numel() * full.element_size())
-        self._wire(full, True)
-        return CollectiveTicket([work], None, then=ticket, keep=(full, dev_out))
+                ticket = mover.d2h(host_out, result)
+        nb = full.numel() * full.element_size()
+        if dev_out is None:
+            self.stats.moved("all_reduce", 2 * nb)
+            self._wire(full, True, passes=2)
+        else:
+            self.stats.moved("reduce_scatter", nb)
+            self._wire(full, True)
+        return CollectiveTicket([work], None, then=ticket, keep=(full, result), clock=self.clock)
 
-    def all_gather_(self, full: torch.Tensor) -> None:
-        """Fills every shard of ``full`` from its owner (in place: the own shard is the input)."""
+    def all_gather_(self, full: torch.Tensor, async_op: bool = False) -> Optional["CollectiveTicket"]:
+        """Fills every shard of ``full`` from its owner (in place: the own
+        shard is the input). ``async_op``: returns at once with a ticket
+        (``wait()`` before reading ``full`` or writing the own shard)."""
         lo, hi = self.shard(full.numel())
-        _all_gather(full, full[lo:hi], group=self._group_of(full))
+        with contextlib.nullcontext() if async_op else self._synchronous():
+            work = _all_gather(full, full[lo:hi], group=self._group_of(full), async_op=async_op)
         self.stats.moved("all_gather", full.numel() * full.element_size())
         self._wire(full, False)
+        return self._ticket(work, full) if async_op else None
 
     def all_gather(self, shard: torch.Tensor, numel: int) -> torch.Tensor:
         """A new full tensor of ``numel`` elements gathered from every rank's ``shard``."""
         full = torch.empty(numel, dtype=shard.dtype, device=shard.device)
-        _all_gather(full, shard.contiguous(), group=self._group_of(full))
+        with self._synchronous():
+            _all_gather(full, shard.contiguous(), group=self._group_of(full))
         return full
 
     def check_same(self, what: dict) -> None:
@@ -290,7 +327,8 @@ class Sharding:
         """``t`` = sum over ranks of ``t`` (stage 0: data-parallel gradients).
         ``async_op``: returns at once with a ticket (``wait()`` before reading or
         writing ``t``); else returns None when done."""
-        work = dist.all_reduce(t, group=self._group_of(t), async_op=async_op)
+        with contextlib.nullcontext() if async_op else self._synchronous():
+            work = dist.all_reduce(t, group=self._group_of(t), async_op=async_op)
         # Counted as a reduce-scatter plus an all-gather (2x the bytes), the
         # convention of the ZeRO paper's communication volumes.
         self.stats.moved("all_reduce", 2 * t.numel() * t.element_size())
@@ -340,16 +378,17 @@ class Sharding:
             own = full[lo:lo + k]
             if h2d is None:
                 own.copy_(shard[pos:pos + k], non_blocking=True)
-                works.append(_all_gather(full[a:b], own, group=group, async_op=True))
+                works.append(self._timed(_all_gather(full[a:b], own, group=group, async_op=True), full.is_cuda))
             else:
                 copy = h2d(own, shard[pos:pos + k])
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     copy.wait_compute(timed=False)  # the side stream waits (not a compute stall); CPU: the host
-                    works.append(_all_gather(full[a:b], own, group=group, async_op=True))
+                    works.append(self._timed(_all_gather(full[a:b], own, group=group, async_op=True),
+                                             full.is_cuda))
             pos += k
             self.stats.moved("all_gather", (b - a) * full.element_size())
             self._wire(full[a:b], on_device)
-        return CollectiveTicket(works, side)
+        return CollectiveTicket(works, side, clock=self.clock)
 
     def shard_of_params(self, full: torch.Tensor, trainable: int) -> torch.Tensor:
         """Stage 3: this rank's shard of a full compute copy (layout of
@@ -378,16 +417,36 @@ class CollectiveTicket:
     ``stream``: the side stream of the collectives' CUDA device, None for CPU
     tensors. See [Note: waiting for a collective]. ``then``: a mover ticket
     that follows the collectives (a shard's copy to the host): waiting for
-    it is waiting for them; ``keep``: tensors held until it is done.
+    it is waiting for them; ``keep``: tensors held until it is done;
+    ``clock``: where the time a thread waits in :meth:`wait` and
+    :meth:`wait_compute` is counted (see [Note: exposed communication time]
+    in comm_clock.py), None for control messages.
     """
 
-    __slots__ = ("works", "stream", "_waited", "then", "keep")
+    __slots__ = ("works", "stream", "_waited", "then", "keep", "clock")
 
-    def __init__(self, works: list, stream=None, then=None, keep: tuple = ()):
+    def __init__(self, works: list, stream=None, then=None, keep: tuple = (), clock=None):
         self.works = works  # Work objects (Engine._settle_collectives waits on them at close)
         self.stream = stream
         self._waited = False
-        self.then, self.keep = then, keep
+        self.then, self.keep, self.clock = then, keep, clock
+
+    def wait(self) -> None:
+        """A host barrier: returns once every collective has finished."""
+        if self._waited or self.clock is None:
+            return self._wait()
+        t0 = time.perf_counter()
+        self._wait()
+        self.clock.waited(time.perf_counter() - t0)
+
+    def wait_compute(self, timed: bool = True) -> None:
+        """Makes compute wait: the current stream under NCCL, the host under
+        gloo (counted as a wait unless ``timed`` is False)."""
+        if self._waited or self.clock is None or not timed:
+            return self._wait_compute()
+        t0 = time.perf_counter()
+        self._wait_compute()
+        self.clock.waited(time.perf_counter() - t0)
 
     def done(self) -> bool:
         """True once finished. May say False for a finished collective not yet
@@ -396,8 +455,7 @@ class CollectiveTicket:
             return self._waited or self.then.done()
         return self._waited or all(w.is_completed() for w in self.works)
 
-    def wait(self) -> None:
-        """A host barrier: returns once every collective has finished."""
+    def _wait(self) -> None:
         if self.then is not None:
             self.then.wait()
             self.keep = ()  # the copy read them: they may go
@@ -413,10 +471,9 @@ class CollectiveTicket:
             ev.synchronize()
         self._waited = True
 
-    def wait_compute(self, timed: bool = True) -> None:
-        """Makes compute wait: the current stream under NCCL, the host under gloo."""
+    def _wait_compute(self) -> None:
         if self.then is not None:
-            return self.wait()
+            return self._wait()
         for w in self.works:
             w.wait()
         self._waited = self._waited or self.stream is None  # CPU tensors: that was a host wait

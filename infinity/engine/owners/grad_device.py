@@ -12,9 +12,10 @@ would; the alignment gaps zeroed, as the host buffer's are) and each
 gradient is copied (or added) into its slot on the device, then freed.
 When the unit's last gradient has landed the schedule asks for the
 reduction: slots that got no gradient on this rank are zeroed (the sum
-must not read stale bytes), and :meth:`Sharding.reduce_scatter_to_host`
+must not read stale bytes), and :meth:`Sharding.reduce_to_host`
 issues the reduce-scatter and the copy of the own shard into the host
-shard buffer. The flat buffer and the device shard count as transient
+shard buffer (stage 0: the all-reduce, and the copy of the whole sum into
+the unit's host gradient buffer). The flat buffer and the device shard count as transient
 device bytes (``device_reduce_bytes``) from the unit's first gradient until
 the shard is on the host; the gradient owner's backpressure waits for the
 oldest reduction when the next unit's buffer would not fit the reserve
@@ -67,16 +68,20 @@ def zero_missing(d: DeviceGrad, layout: Layout, written: List[bool]) -> None:
             d.full[s.offset:s.offset + s.numel].zero_()
 
 
-def issue_reduction(d: DeviceGrad, layout: Layout, written: List[bool], sharding, host_shard: torch.Tensor,
+def issue_reduction(d: DeviceGrad, layout: Layout, written: List[bool], sharding, host_out: torch.Tensor,
                     mover) -> Tuple[object, int]:
-    """Starts the reduce-scatter of ``d``'s flat buffer (slots not
-    ``written`` zeroed first) and the copy of the own shard into
-    ``host_shard``: (the ticket, which keeps the device buffers alive until
-    the copy is done; the transient device bytes they count). ``d`` is empty again."""
+    """Starts the reduction of ``d``'s flat buffer (slots not ``written``
+    zeroed first) and the copy of its result into ``host_out``: the own
+    shard's sum (a reduce-scatter) when ``host_out`` is a shard, the whole
+    sum (an all-reduce, stage 0) when it has the buffer's size. (The ticket,
+    which keeps the device buffers alive until the copy is done; the
+    transient device bytes they count.) ``d`` is empty again."""
     zero_missing(d, layout, written)
     full = d.full
-    dev_out = torch.empty(host_shard.numel(), dtype=full.dtype, device=full.device)
-    ticket = sharding.reduce_scatter_to_host(host_shard, full, dev_out, mover)
+    dev_out = None
+    if host_out.numel() != full.numel():
+        dev_out = torch.empty(host_out.numel(), dtype=full.dtype, device=full.device)
+    ticket = sharding.reduce_to_host(host_out, full, dev_out, mover)
     d.full = None
     return ticket, d.nbytes
 

@@ -386,8 +386,9 @@ class Gradients:
         """See [Note: a unit's gradients on the device] in grad_device.py: the ticket."""
         rec = u.grads
         self._open_device(u)  # if no gradient came on this rank: zeros
-        t, nb = issue_reduction(rec.device, u.layout, rec.written, self.sharding, rec.shard, self.mover)
-        self.stats.moved("d2h", rec.shard.numel() * rec.shard.element_size())
+        out = rec.shard if self.modes.zero else rec.grad  # stage 0: every rank keeps the whole sum
+        t, nb = issue_reduction(rec.device, u.layout, rec.written, self.sharding, out, self.mover)
+        self.stats.moved("d2h", out.numel() * out.element_size())
         self._outstanding.append((t, nb))  # device bytes count until the shard is on the host
         return t
 

@@ -43,7 +43,7 @@ from .limits import (DEVICE_ALIGN, GRAD_STAGING_BLOCK_BYTES, GRAD_STAGING_BLOCKS
 
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need", "grad_staging",
            "nvme_capacity", "modes_of", "speculation_needed", "speculation_unsupported", "undo_bytes", "spillable",
-           "nbytes", "round_pool", "state_pool_bytes", "host_reduction_reason", "device_reduce_bytes", "POOL_ALIGN",
+           "nbytes", "round_pool", "state_pool_bytes", "host_reduction_reason", "device_reduce_bytes", "stage1_full_grads", "POOL_ALIGN",
            "DEVICE_ALIGN", "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
 
@@ -126,46 +126,62 @@ def modes_of(config, world: int, device: torch.device) -> Modes:
     return Modes(device, dtype, grad_dtype, config.offload_params, config.offload_optimizer, config.zero_stage,
                  world, config.overlap == "delayed", config.prefetch_depth, config.grad_accumulation_steps,
                  config.prefetch_bytes, speculation_needed(config) and speculation_unsupported(config, world) is None,
-                 host_reduction_reason(config.zero_stage, world, config.grad_accumulation_steps) is None,
+                 host_reduction_reason(config.zero_stage, world, config.grad_accumulation_steps,
+                                       config.offload_optimizer, config.overlap) is None,
                  config.moment_dtype)
 
 
-def host_reduction_reason(stage: int, world: int, accum_steps: int) -> Optional[str]:
+def host_reduction_reason(stage: int, world: int, accum_steps: int, optimizer: str = "host",
+                          overlap: str = "step") -> Optional[str]:
     """None when a unit's gradients are reduced on the device (ZeRO stage
-    ``stage`` on ``world`` ranks, ``accum_steps`` micro-batches a step), else
-    why they go to the host first.
+    ``stage`` on ``world`` ranks, ``accum_steps`` micro-batches a step,
+    Config's ``offload_optimizer`` and ``overlap``), else why they go to the
+    host first.
 
     [Note: where gradients are reduced]
     This is the one place that decides it. On the device path a unit's
     gradients land in one flat device buffer (in the host buffers' dtype, so
-    the sums are the host path's bit for bit), which is reduce-scattered over
-    the device group when the unit's last gradient arrives, asynchronously,
-    while backward goes on with the next unit; only the own shard then
-    crosses to the host (1/N of the unit's bytes per rank). The host path
-    copies every gradient to the host as autograd finishes it and reduces the
-    host buffers over the host group. It stays where the device path would
-    cost more than it saves or cannot hold the sums:
-    - stages 0 and 1: every rank keeps full gradients on the host (stage 0's
-      all-reduce, stage 1's accumulation until ``step()``), and stage 0 may
-      spill them to NVMe before the step;
+    the sums are the host path's bit for bit), which is reduced over the
+    device group when the unit's last gradient arrives, asynchronously, while
+    backward goes on with the next unit: reduce-scattered at stages 1-3, after
+    which only the own shard crosses to the host (1/N of the unit's bytes per
+    rank); all-reduced at stage 0, after which the whole sum crosses (each
+    rank's optimizer updates the whole unit), so no gradient is summed over
+    the host group. Stage 1 then reduces in the last backward under every
+    overlap, as stage 2 does (its full gradients are never kept on the host).
+    The host path copies every gradient to the host as autograd finishes it
+    and reduces the host buffers over the host group. It stays where the
+    device path would cost more than it saves or cannot hold the sums:
     - accumulation windows: earlier micro-batches sum on the host; on the
       device every unit's full gradients would have to stay between
       micro-batches (a model's worth of device memory);
+    - stage 0 with the optimizer state on NVMe: each unit's gradients spill
+      to NVMe as they arrive (bounded host memory until ``step()``), so the
+      host buffer is where they are summed;
+    - stage 0 with ``offload_optimizer="none"``: the gradients stay on the
+      device and are all-reduced there already;
+    - stage 0 with ``overlap="delayed"``: two host buffers alternate under
+      the update of the previous step;
     - one rank: nothing to reduce, the gradients go straight to the host.
     """
     if world < 2:
         return "one rank: nothing to reduce"
-    if stage < 2:
-        return f"zero_stage={stage}: every rank keeps full gradients on the host"
     if accum_steps > 1:
         return f"grad_accumulation_steps={accum_steps}: the window's sums accumulate on the host"
+    if stage == 0 and optimizer == "nvme":
+        return "zero_stage=0 with offload_optimizer='nvme': the gradients spill to NVMe from the host before step()"
+    if stage == 0 and optimizer == "none":
+        return "zero_stage=0 with offload_optimizer='none': the gradients stay on the device"
+    if stage == 0 and overlap == "delayed":
+        return "zero_stage=0 with overlap='delayed': the next backward fills the second host buffer"
     return None
 
 
 def device_reduce_bytes(trainable_numel: int, modes: Modes) -> int:
     """Device bytes of one unit's gradients on the device path: the full flat
-    buffer and the reduce-scatter's shard, in the host gradients' dtype."""
-    return nbytes(trainable_numel + trainable_numel // modes.world, modes.grad_dtype)
+    buffer and the reduce-scatter's shard (stage 0 all-reduces in place: no
+    shard), in the host gradients' dtype."""
+    return nbytes(trainable_numel + (trainable_numel // modes.world if modes.zero else 0), modes.grad_dtype)
 
 
 def speculation_needed(config) -> bool:
@@ -352,8 +368,8 @@ def spillable(modes: Modes) -> bool:
 def _permanent_state(p: UnitPlacement, modes: Modes, tb: int, sb: int) -> int:
     """Host bytes kept for good for a trainable unit's optimizer side."""
     if modes.zero:
-        # Gradient shard (+ full gradients for stage 1); master and moments unless on NVMe.
-        return sb + (tb if modes.zero == 1 else 0) + (0 if modes.opt_nvme else state_pool_bytes(p, modes, sb))
+        # Gradient shard (+ full gradients for stage 1 reduced on the host); master and moments unless on NVMe.
+        return sb + (tb if stage1_full_grads(modes) else 0) + (0 if modes.opt_nvme else state_pool_bytes(p, modes, sb))
     if modes.opt_nvme:
         return 0
     gb = round_pool(nbytes(p.trainable_numel, modes.grad_dtype))
@@ -370,6 +386,12 @@ def state_pool_bytes(p: UnitPlacement, modes: Modes, fp32_buf: int, master: bool
         return (3 if master else 2) * fp32_buf
     kinds = state_kinds(modes.moment_dtype)[0 if master else 1:]
     return sum(round_pool(nbytes(kind_numel(k, p.state_numel), kind_dtype(k, modes.moment_dtype))) for k in kinds)
+
+
+def stage1_full_grads(modes: Modes) -> bool:
+    """Stage 1 keeps every unit's full gradients on the host for good (reduced
+    on the host in ``step()``); reduced on the device it keeps the shard only."""
+    return modes.zero == 1 and not modes.reduce_on_device
 
 
 def _zero_full(modes: Modes, tb: int) -> int:

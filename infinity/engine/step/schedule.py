@@ -92,9 +92,11 @@ class StepSchedule:
 
     def _reduces_in_backward(self) -> bool:
         """Each unit's gradients are reduced in the window's last backward
-        (stages 0, 2, 3); stage 1 reduce-scatters them in ``step()``, unless
-        its updates may start during backward (BackwardSchedule)."""
-        return self.needs_reduce and self.p.modes.zero != 1
+        (stages 0, 2, 3, and stage 1 reduced on the device: [Note: where
+        gradients are reduced] in placement.py); stage 1 on the host
+        reduce-scatters them in ``step()``, unless its updates may start
+        during backward (BackwardSchedule)."""
+        return self.needs_reduce and (self.p.modes.zero != 1 or self.p.modes.reduce_on_device)
 
     def _start_early(self, u) -> bool:
         return False
@@ -228,19 +230,15 @@ class StepSchedule:
 
     def _update_all(self, todo, scale: float, hyper=None) -> None:
         p, t0 = self.p, time.perf_counter()
+        gathers = _CopyGathers(p, todo)
         if p.modes.opt_nvme:
             self._pipeline(todo, scale, hyper)
         else:
             for u in todo:
                 self.update_in_memory(u, p.grads.update_input(u), list(u.grads.written), scale, hyper)
+                gathers.ready(u)
         p.stats.optimizer_wait_seconds += time.perf_counter() - t0  # updates in step() hide behind nothing
-        if p.modes.zero in (1, 2):  # every rank gets the new compute copies of every shard
-            for u in p.units:
-                if u.place.trainable:
-                    comp = p.host_cache.open_for_update(u)  # NVMe home: the cached copy, read back if evicted
-                    p.sharding.all_gather_(comp[:u.place.trainable_numel])
-                    p.host_cache.close_update(u)
-                    p.values_changed(u)
+        gathers.finish()
 
     def update_in_memory(self, u, grad, written: List[bool], scale: float, hyper=None, undo=None) -> None:
         """One unit's update with its optimizer state in memory (host or
@@ -348,7 +346,7 @@ class BackwardSchedule(StepSchedule):
     def _reduces_in_backward(self) -> bool:
         """Stage 1 too when updates may start early: its update needs the
         reduce-scattered shard (see [Note: ZeRO shards in infinity])."""
-        return self.needs_reduce and (self.p.modes.zero != 1 or self.early_ok or self.spec is not None)
+        return super()._reduces_in_backward() or (self.needs_reduce and (self.early_ok or self.spec is not None))
 
     def _start_early(self, u) -> bool:
         p = self.p
@@ -420,6 +418,62 @@ class BackwardSchedule(StepSchedule):
         if nxt[-1] == 0 and root.opt.state is OptState.HOME and self._root_read is None:
             self._root_read = p.mover.host_job(self._guarded(lambda: p.optstate.read_ahead(root, evict_done=True),
                                                              root))
+
+
+class _CopyGathers:
+    """Stages 1-2: every rank gets the new compute copies of every shard, by
+    an all-gather of each trainable unit's host copy, in program order on
+    every rank, after the updates of ``todo`` (the units ``step()`` updates).
+
+    [Note: the copies' all-gather in step()]
+    With the copies in host memory (not NVMe homes, whose cache the open
+    gathers would pin) each unit's gather is issued, asynchronously, as soon
+    as no update of it or of a unit before it is still to come, so it runs
+    while the optimizer updates the next units (the order stays program
+    order, the same on every rank); :meth:`finish` issues the rest and waits
+    for all before ``step()`` returns."""
+
+    def __init__(self, p, todo):
+        self.p, self.pending, self.next = p, [], 0
+        self.on = p.modes.zero in (1, 2)
+        self.early = self.on and not p.modes.params_nvme
+        self.left = {u.index for u in todo}  # updates still to come
+
+    def ready(self, u) -> None:
+        """``u`` was updated: issues the gathers now due (with ``early``)."""
+        self.left.discard(u.index)
+        units = self.p.units
+        while self.early and self.next < len(units) and units[self.next].index not in self.left:
+            self._issue(units[self.next])
+            self.next += 1
+
+    def _issue(self, u) -> None:
+        if not u.place.trainable:
+            return
+        p = self.p
+        comp = p.host_cache.open_for_update(u)  # NVMe home: the cached copy, read back if evicted
+        t = p.sharding.all_gather_(comp[:u.place.trainable_numel], async_op=self.early)
+        self.pending.append((u, t))
+        if not self.early:
+            self._close(u, t)
+
+    def _close(self, u, t) -> None:
+        if t is not None:
+            t.wait()
+        self.p.host_cache.close_update(u)
+        self.p.values_changed(u)
+
+    def finish(self) -> None:
+        """Issues the gathers not issued yet and waits for every one."""
+        if not self.on:
+            return
+        for u in self.p.units[self.next:]:
+            self._issue(u)
+        self.next = len(self.p.units)
+        if self.early:
+            for u, t in self.pending:
+                self._close(u, t)
+        self.pending = []
 
 
 def _quietly(fn, *args) -> None:
