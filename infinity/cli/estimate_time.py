@@ -35,12 +35,15 @@ def predict_run(run, world: int = 1) -> Tuple[Optional[StepPrediction], str]:
     where the model does not cover the run. The meta model is built with the
     global RNG state saved and restored: the run's own seeding is untouched."""
     from .estimate import meta_run
-    if world > 1:
-        return None, f"world size {world}: the step model does not cover ZeRO collectives yet"
     try:
         profile = load_profile(run.log.profile)
     except ValueError as e:
         raise UsageError(f"log.profile: {e}") from None
+    if world > 1:
+        try:
+            profile.net("net_host")
+        except ValueError as e:
+            return None, f"world size {world}: {e}"
     with torch.random.fork_rng(devices=[]):
         config, model, forward, _ = meta_run(run)
     return predict(model, config, forward, profile), ""
@@ -54,8 +57,11 @@ def variants(config: Config) -> List[Config]:
         for ov in OVERLAPS:
             if ov == "delayed" and opt != "host":
                 continue
-            c = dataclasses.replace(config, offload_params=params, offload_optimizer=opt, overlap=ov,
-                                    device_memory=None if params == "none" else config.device_memory)
+            try:
+                c = dataclasses.replace(config, offload_params=params, offload_optimizer=opt, overlap=ov,
+                                        device_memory=None if params == "none" else config.device_memory)
+            except ValueError:  # not a placement Config takes with the run's other fields (ZeRO-3 on the device)
+                continue
             if (params, opt, ov) != (config.offload_params, config.offload_optimizer, config.overlap):
                 out.append(c)
     return out
@@ -125,7 +131,10 @@ def run_time(model, config: Config, forward, world: int, lazy: bool, profile_pat
     except ValueError as e:
         raise UsageError(str(e)) from None
     if world > 1:
-        raise UsageError(f"--time with --world={world}: the step model does not cover ZeRO collectives yet")
+        try:
+            profile.net("net_host")
+        except ValueError as e:
+            raise UsageError(f"--time with --world={world}: {e}") from None
     modes_dtype = config.torch_dtype
     units = placed(model, config, world)[0]
     costs = count_pass(model, forward, {u.index: u.modules for u in units[1:]}, modes_dtype)
@@ -136,16 +145,16 @@ def run_time(model, config: Config, forward, world: int, lazy: bool, profile_pat
     for c in variants(config):
         ok, why = _fits(model, c, world, lazy, limits, act)
         rows.append((c, predict(model, c, forward, profile, world, costs), ok, why))
-    lines = what_if(model, config, forward, profile, costs)
+    lines = what_if(model, config, forward, profile, costs, world)
     head = (f"\npredicted step time on {profile.name} ({profile.source}); one micro-batch, steady state "
             "(docs/cli.md: the model and its measured error)")
     return head + "\n" + render_time(rows) + "".join("\n" + x for x in lines)
 
 
-def what_if(model, config: Config, forward, profile: Profile, costs) -> List[str]:
+def what_if(model, config: Config, forward, profile: Profile, costs, world: int = 1) -> List[str]:
     """What would change the run's own step by 5% or more: a second swap
     path as fast as the first, a deeper prefetch, a faster copy link."""
-    base = predict(model, config, forward, profile, 1, costs).seconds
+    base = predict(model, config, forward, profile, world, costs).seconds
     tries = [("a second swap path of the same speed", config,
               dataclasses.replace(profile, disk_read_bw=2 * profile.disk_read_bw,
                                   disk_write_bw=2 * profile.disk_write_bw)),
@@ -155,7 +164,7 @@ def what_if(model, config: Config, forward, profile: Profile, costs) -> List[str
               dataclasses.replace(profile, h2d_bw=2 * profile.h2d_bw, d2h_bw=2 * profile.d2h_bw))]
     out = []
     for what, cfg, prof in tries:
-        t = predict(model, cfg, forward, prof, 1, costs).seconds
+        t = predict(model, cfg, forward, prof, world, costs).seconds
         if abs(t - base) >= 0.05 * base:
             out.append(f"{what} would {'cut' if t < base else 'lengthen'} the step {100 * abs(1 - t / base):.0f}% "
                        f"({base:.3f} -> {t:.3f} s)")

@@ -13,6 +13,7 @@ minute. Each figure is measured the way the engine uses the hardware:
 - the native AdamW, parameters/s, with bf16 and fp32 gradients and a bf16
   copy out, at the engine's thread count;
 - the swap paths' O_DIRECT write and read through a SwapStore (perf.py);
+- ZeRO's links: a gloo all-reduce between two local processes (net_probe.py);
 - interference ([Note: interference between resources] in simulate.py):
   each pair of compute, a copy and the AdamW run for a fixed time alone and
   together, from which ``slow[a<b] = (work alone / work beside b) - 1``. On
@@ -31,6 +32,7 @@ import torch.nn as nn
 from ..engine.plan.costs import count_pass
 from ..engine.plan.profile import Profile
 from ..optim import adamw_step_
+from .net_probe import net_rates
 from .perf import disk_bandwidth
 
 __all__ = ["measure_profile", "compute_speeds"]
@@ -257,12 +259,14 @@ def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], thr
     comp = compute_speeds(device, dtype)
     copies = copy_rates(device)
     write, read = disk_bandwidth(swap_paths, disk_bytes) if swap_paths else (1e12, 1e12)
+    net_bw, net_lat = net_rates(device.type)
     prof = Profile(
         name=f"measured on this machine ({device.type}, {dtype})",
         source=f"infinity doctor --profile, {time.strftime('%Y-%m-%d %H:%M:%S')}; swap paths {swap_paths}",
         device=device.type, gemm_flops=comp["gemm_flops"], mem_bw=comp["mem_bw"],
         op_overhead_s=comp["op_overhead_s"], unit_overhead_s=comp["unit_overhead_s"], h2d_bw=copies["h2d"], d2h_bw=copies["d2h"],
         adamw_params_per_s=adamw_rates(threads), disk_read_bw=read, disk_write_bw=write,
+        net_bw=net_bw, net_latency_s=net_lat,
         slow=interference(device, dt, threads))
     prof.extra["seconds_to_measure"] = round(time.perf_counter() - t0, 2)
     prof.extra["torch_threads"] = torch.get_num_threads()

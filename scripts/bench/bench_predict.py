@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,7 +65,9 @@ ROWS = [
     ("host step accum 2", {"grad_accumulation_steps": 2}, {}, 4),
     ("host backward accum 2", {"overlap": "backward", "grad_accumulation_steps": 2}, {}, 4),
     ("HF Llama host step", {}, {"hf": True}, 4),
+    ("ZeRO-3 2 ranks (torchrun)", {"zero_stage": 3}, {"world": 2}, 4),  # a micro-batch of 4 a rank
 ]
+_NOT_GPT = ("hf", "world")  # model changes that are not GPTConfig fields
 PROBE_SIZES = (128, 256, 512, 1024)  # the bench model's products are n ~ 200-700 (clamped beyond)
 CI_ROWS = (3, 8, 14)  # the rows tests/cli/test_estimate_time.py predicts (structure only)
 
@@ -98,7 +101,7 @@ def row_config(i: int):
     import infinity
     from infinity.models import GPTConfig
     label, cfg, mdl, batch = ROWS[i]
-    gcfg = GPTConfig(**{**MODEL, **{k: v for k, v in mdl.items() if k != "hf"}})
+    gcfg = GPTConfig(**{**MODEL, **{k: v for k, v in mdl.items() if k not in _NOT_GPT}})
     fields = {**BASE, **cfg}
     minimum = fields.pop("device_memory", None) == "min"
     config = infinity.Config(**fields)
@@ -118,6 +121,10 @@ def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
     from infinity.cli.profile_measure import compute_speeds
     config, gcfg, batch = row_config(i)
     hf, accum = ROWS[i][2].get("hf", False), config.grad_accumulation_steps
+    if world_of(i) > 1:  # under torchrun: every rank trains its own micro-batch; rank 0 reports
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        config = dataclasses.replace(config, swap_paths=[os.path.join(SWAP, f"rank{dist.get_rank()}")])
     torch.manual_seed(0)
     model, opt = infinity.initialize(make_model(gcfg, hf), config, lr=1e-4)
     x = torch.randint(0, gcfg.vocab_size, (batch, gcfg.block_size))
@@ -145,10 +152,18 @@ def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
     probes.append(compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES))
     st = infinity.stats(model)
     infinity.close(model)
+    if world_of(i) > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
     med = lambda xs: statistics.median(xs[warmup:])  # noqa: E731
     return {"seconds": med(ts), "all": ts[warmup:], "bytes": st["step_bytes_moved"],
             "forward": med([p[0] for p in parts]), "backward": med([p[1] for p in parts]),
             "step": med([p[2] for p in parts]), "optimizer": med(opt_s), "probes": probes}
+
+
+def world_of(i: int) -> int:
+    """Row ``i``'s ranks (run under torchrun when above 1)."""
+    return ROWS[i][2].get("world", 1)
 
 
 def predict_row(i: int, profile):
@@ -159,7 +174,7 @@ def predict_row(i: int, profile):
     with torch.device("meta"):
         model = make_model(gcfg, hf)
     x = torch.zeros(batch, gcfg.block_size, dtype=torch.long, device="meta")
-    return predict(model, config, lambda m: loss_of(m, x, hf), profile)
+    return predict(model, config, lambda m: loss_of(m, x, hf), profile, world=world_of(i))
 
 
 def same_time_profile(profile, probes: list):
@@ -188,11 +203,23 @@ def phases(pr, got: dict) -> str:
     return "  ".join(f"{k} {pred[k]:.3f}/{got[k]:.3f}" for k in pred) + "  (s, predicted/measured)"
 
 
+def _torchrun_child(world: int, args: list):
+    """This script's child row under ``torchrun --nproc-per-node world``: rank 0's JSON line, and the process."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                        __file__, *args], capture_output=True, text=True, check=False)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return (json.loads(lines[-1]) if p.returncode == 0 and lines else None), p
+
+
 def one_row(i: int, profile, steps: int, threads: int):
     """Measures row ``i`` in a child, predicts it from ``profile`` with the
     compute speeds measured between its steps, prints both; the row's record."""
     load0 = os.getloadavg()[0]
-    got, proc = run_json_child(__file__, ["--child", str(i), "--steps", str(steps), "--threads", str(threads)])
+    args = ["--child", str(i), "--steps", str(steps), "--threads", str(threads)]
+    if world_of(i) > 1:
+        got, proc = _torchrun_child(world_of(i), args)
+    else:
+        got, proc = run_json_child(__file__, args)
     if got is None:
         print(f"{i:2} {ROWS[i][0]:26} FAILED: {proc.stderr[-400:]}")
         return None
@@ -224,7 +251,9 @@ def main() -> int:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.child is not None:
-        print(json.dumps(measure_row(a.child, a.steps)))
+        got = measure_row(a.child, a.steps)
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(got))
         return 0
     from infinity.engine.plan.profile import load_profile
     from infinity.cli.profile_measure import measure_profile

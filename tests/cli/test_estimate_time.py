@@ -160,8 +160,11 @@ def test_variants_and_cli_section(tmp_path):
     assert "fastest placement that fits" in out and out.count("overlap=") == 11
     with pytest.raises(UsageError, match="--profile"):
         run_time(m, cfg, fwd, 1, False, None)
-    with pytest.raises(UsageError, match="ZeRO"):
+    with pytest.raises(UsageError, match="net_bw"):  # several ranks need the network's figures
         run_time(m, cfg, fwd, 2, False, str(p))
+    p.write_text(profile(net_bw={"net_device": 1e9, "net_host": 1e9}).to_json())
+    two = run_time(m, dataclasses.replace(cfg, zero_stage=3), fwd, 2, False, str(p))
+    assert "fastest placement that fits" in two
 
 
 def test_profiles_load_and_bad_ones_are_named(tmp_path):
@@ -197,6 +200,7 @@ def test_doctor_writes_a_profile_that_loads(tmp_path):
     prof = load_profile(str(out))
     assert prof.device == "cpu" and prof.extra["seconds_to_measure"] < 60
     assert {"compute<h2d", "h2d<compute", "compute<optimizer"} <= set(prof.slow)
+    assert prof.net("net_host") == prof.net("net_device") and prof.net("net_host")[0] > 0  # one gloo group on the CPU
 
 
 def test_what_if_names_the_second_swap_path(tmp_path):

@@ -22,14 +22,15 @@ against a real CPU forward in tests/engine/test_activations.py.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .metacache import MetaCache
+from .metacache import SHARED, MetaCache
+from .repeats import KEEP, Run, cut, find_run
 
 __all__ = ["activation_bytes", "checkpointing_state"]
 
@@ -47,11 +48,12 @@ def activation_bytes(model: nn.Module, run: Callable[[nn.Module], torch.Tensor],
     models; else -1). Attention through SDPA is counted as its fused kernel
     saves it (see [Note: attention on meta tensors])."""
     on = checkpointing_state(model)
-    saved, unit = _saved(model, run, unit_modules)
+    rep = find_run(model, {i: [m] for i, m in enumerate(unit_modules)})
+    saved, unit = _saved_repeated(model, run, unit_modules, rep)
     other = -1
     with _checkpointing(model, not on) as switched:
         if switched:
-            other, unit_other = _saved(model, run, unit_modules)
+            other, unit_other = _saved_repeated(model, run, unit_modules, rep)
             unit = unit_other if on else unit
     return {"saved": saved, "unit": unit, "checkpointing": int(on), "saved_other": other}
 
@@ -84,6 +86,22 @@ class _FusedAttentionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _saved_repeated(model: nn.Module, run, unit_modules, rep: Optional[Run]):
+    """:func:`_saved`, from two short passes when the units hold a run of
+    repeated blocks ([Note: a meta pass over repeated units] in repeats.py)."""
+    if rep is not None:
+        try:
+            with cut(rep.container, rep.keys, KEEP):
+                s_small, u_small = _saved(model, run, unit_modules)
+            with cut(rep.container, rep.keys, KEEP + 1):
+                s_big, u_big = _saved(model, run, unit_modules)
+        except Exception:  # noqa: BLE001 - the forward cannot run cut (it counts its blocks itself): pass in full
+            s_small = s_big = -1
+        if s_big >= s_small >= 0:
+            return s_small + (rep.n - KEEP) * (s_big - s_small), max(u_small, u_big)
+    return _saved(model, run, unit_modules)
+
+
 def _saved(model: nn.Module, run, unit_modules):
     """(bytes saved in all, the most saved within one unit module's call)."""
     params = {id(p) for p in model.parameters()}
@@ -108,7 +126,7 @@ def _saved(model: nn.Module, run, unit_modules):
     handles = [h for m in unit_modules for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     try:
         # The cache answers repeated ops' shapes ([Note: a meta pass from a cache] in metacache.py).
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode(), MetaCache():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode(), MetaCache(SHARED):
             run(model)
     finally:
         for h in handles:

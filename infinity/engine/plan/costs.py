@@ -15,7 +15,9 @@ recomputation counts in its backward, where it runs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -24,7 +26,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from .metacache import MetaCache
+from .metacache import SHARED, MetaCache
+from .repeats import KEEP, Run, cut, find_run
 
 __all__ = ["OpCost", "PassCosts", "count_pass", "ROOT_TAIL"]
 
@@ -49,6 +52,7 @@ class PassCosts:
 
     forward: Dict[int, List[OpCost]] = field(default_factory=dict)
     backward: Dict[int, List[OpCost]] = field(default_factory=dict)
+    dispatched: int = 0   # ops the meta passes dispatched (the work of counting; a cached op included)
 
     def flops(self, phase: str, unit: int) -> int:
         """FLOPs of ``unit`` in ``phase`` ("forward" or "backward")."""
@@ -63,8 +67,8 @@ class _Counter(MetaCache):
     """Records each op's cost under the running unit; ops are answered from
     the cache when seen before ([Note: a meta pass from a cache] in metacache.py)."""
 
-    def __init__(self, costs: PassCosts):
-        super().__init__()
+    def __init__(self, costs: PassCosts, cache: Optional[Dict] = None):
+        super().__init__(cache)
         self.costs, self.unit, self.phase = costs, 0, "forward"
         self.op_costs: Dict[object, Optional[OpCost]] = {}
 
@@ -99,19 +103,34 @@ def count_pass(model: nn.Module, run: Callable[[nn.Module], torch.Tensor], unit_
     and of its backward, per unit (``unit_modules``: unit index -> its
     modules), with the model's floating parameters in ``dtype`` (the compute
     copy's). ``model`` must be on the meta device; it is not changed (a copy
-    is counted)."""
+    is counted). Repeated blocks are counted from two short passes ([Note: a
+    meta pass over repeated units] in repeats.py)."""
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("count_pass: build the model on the meta device (with torch.device('meta'))")
-    # The copy keeps the modules' identities in a map so unit_modules still names them.
-    memo: Dict[int, object] = {}
-    m = copy.deepcopy(model, memo)
+    rep = find_run(model, unit_modules)
+    if rep is not None:
+        try:
+            small, big = (_count(model, run, unit_modules, dtype, rep, k) for k in (KEEP, KEEP + 1))
+        except Exception:  # noqa: BLE001 - the forward cannot run cut (it counts its blocks itself): pass in full
+            small = big = None
+        got = _extrapolate(small, big, rep) if small is not None else None
+        if got is not None:
+            return got
+    return _count(model, run, unit_modules, dtype, None, 0)
+
+
+def _count(model, run, unit_modules, dtype, rep: Optional[Run], keep: int) -> PassCosts:
+    """One counted pass on a copy of ``model`` (with ``rep``'s blocks cut to
+    ``keep``: the cut model is copied)."""
+    memo: Dict[int, object] = {}  # the copy's modules by the originals' ids, so unit_modules still names them
+    with cut(rep.container, rep.keys, keep) if rep is not None else contextlib.nullcontext():
+        m = copy.deepcopy(model, memo)
     m.to(dtype)
     costs = PassCosts()
-    counter = _Counter(costs)
+    counter = _Counter(costs, SHARED)
     handles = []
     for ui, mods in unit_modules.items():
-        for mod in mods:
-            mc = memo[id(mod)]
+        for mc in (memo[id(mod)] for mod in mods if id(mod) in memo):  # a block cut away is not in the copy
             handles += [mc.register_forward_pre_hook(lambda *_a, ui=ui: setattr(counter, "unit", ui)),
                         mc.register_forward_hook(lambda *_a: setattr(counter, "unit", 0)),
                         mc.register_full_backward_pre_hook(lambda *_a, ui=ui: setattr(counter, "unit", ui)),
@@ -124,4 +143,33 @@ def count_pass(model: nn.Module, run: Callable[[nn.Module], torch.Tensor], unit_
     finally:
         for h in handles:
             h.remove()
+    costs.dispatched = counter.hits + counter.misses
     return costs
+
+
+def _extrapolate(small: PassCosts, big: PassCosts, rep: Run) -> Optional[PassCosts]:
+    """The full pass's costs from passes over ``KEEP`` and ``KEEP + 1`` of
+    ``rep``'s blocks; None when the two do not differ by one block."""
+    out = PassCosts()
+    out.dispatched = small.dispatched + big.dispatched
+    runs, last = set(rep.units), rep.units[KEEP]
+    for phase in ("forward", "backward"):
+        s, b, o = getattr(small, phase), getattr(big, phase), getattr(out, phase)
+        if Counter(b.get(rep.units[KEEP - 1], [])) != Counter(b.get(last, [])):
+            return None
+        for ui in set(s) | set(b):
+            if ui in runs:
+                continue
+            cs, cb = Counter(s.get(ui, [])), Counter(b.get(ui, []))
+            if cs - cb:  # the extra block took ops away: not a repeat
+                return None
+            o[ui] = list((cs + _times(cb - cs, rep.n - KEEP)).elements())
+        for j, ui in enumerate(rep.units):
+            ops = s.get(ui) if j < KEEP else b.get(last)
+            if ops:
+                o[ui] = list(ops)
+    return out
+
+
+def _times(c: Counter, k: int) -> Counter:
+    return Counter({op: n * k for op, n in c.items()})

@@ -34,6 +34,7 @@ with checkpointing off).
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, Optional
 
 import torch
@@ -66,9 +67,25 @@ def placed(model: nn.Module, config: Config, world: int = 1):
     """``(units, modes, places)``: ``model`` split into paging units and placed
     as ``initialize`` would on each of ``world`` ranks (no memory touched)."""
     modes = modes_of(config, world, compute_device(config))
-    units = build_units(model, config.unit_classes, {}, world if config.zero_stage else 1,
-                        slot_align(config.moment_dtype))
+    units = _units(model, config, world)
     return units, modes, [place_unit(u.layout, modes) for u in units]
+
+
+# Planning splits one model many times over (each placement, overlap mode and
+# check of `infinity estimate --time`): the units are kept per model, keyed by
+# what they depend on, its parameters' identities and trainability included.
+_SPLITS: "weakref.WeakKeyDictionary[nn.Module, Dict]" = weakref.WeakKeyDictionary()
+
+
+def _units(model: nn.Module, config: Config, world: int):
+    classes = tuple(config.unit_classes) if config.unit_classes is not None else None
+    key = (classes, world if config.zero_stage else 1, slot_align(config.moment_dtype),
+           tuple((id(p), p.requires_grad) for p in model.parameters()))
+    memo = _SPLITS.setdefault(model, {})
+    if key not in memo:
+        memo.clear()  # one split a model at a time: the key changes when the model does
+        memo[key] = build_units(model, config.unit_classes, {}, key[1], key[2])
+    return memo[key]
 
 
 def _act_peak(saved: int, unit: int, checkpointing) -> int:

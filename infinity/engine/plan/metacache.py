@@ -16,7 +16,10 @@ new tensors are answered so: views, in-place and ``out=`` ops (their results
 alias an argument), ops whose schema declares any alias or mutation, and ops
 with an argument that is not a plain meta tensor or a hashable value always
 run. The values are the same as running the kernel: a meta tensor has
-nothing but its metadata.
+nothing but its metadata. The entries hold shapes only and do not depend
+on the model, so the planner's passes share one process-wide cache
+(:data:`SHARED`): the activations' passes and the op counting of one
+``infinity estimate`` run the meta kernel of each distinct op once.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["MetaCache", "op_key"]
+__all__ = ["MetaCache", "op_key", "SHARED"]
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _UNCACHED = object()
+# The planner's cache, shared by its passes (a few thousand entries for a transformer: distinct op signatures).
+SHARED: Dict[Tuple, Any] = {}
 
 
 def _leaf_key(x) -> Any:

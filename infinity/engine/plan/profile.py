@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 __all__ = ["Profile", "load_profile", "shipped_profiles", "RESOURCES"]
 
 # The resources of the step model (step_time.py); ``slow`` may name only these.
-RESOURCES = ("compute", "h2d", "d2h", "optimizer", "disk_read", "disk_write")
+RESOURCES = ("compute", "h2d", "d2h", "optimizer", "disk_read", "disk_write", "net_device", "net_host")
 _DIR = Path(__file__).with_name("profiles")
 
 
@@ -41,6 +41,10 @@ class Profile:
     # The engine's own time per unit and pass (its hooks, fetch bookkeeping, handing work to its threads), s;
     # measured beside plain PyTorch (infinity doctor --profile); 0 in a hand-written profile that lacks it.
     unit_overhead_s: float = 0.0
+    # ZeRO's links ([Note: collectives in the step model] in collectives.py): "net_device" / "net_host" ->
+    # bytes/s this rank sends in a ring collective, and the fixed cost of one collective, s.
+    net_bw: Dict[str, float] = field(default_factory=dict)
+    net_latency_s: Dict[str, float] = field(default_factory=dict)
     slow: Dict[str, float] = field(default_factory=dict)
     extra: Dict[str, object] = field(default_factory=dict)  # measured figures kept for the record
 
@@ -73,6 +77,15 @@ class Profile:
                 w = math.log(n / n0) / math.log(n1 / n0)
                 return r0 + w * (r1 - r0)
         return pts[-1][1]
+
+    def net(self, link: str) -> Tuple[float, float]:
+        """``(bytes/s, latency s)`` of ZeRO's ``link`` ("net_device" or "net_host")."""
+        bw, lat = self.net_bw.get(link), self.net_latency_s.get(link, 0.0)
+        if not (isinstance(bw, (int, float)) and bw > 0 and math.isfinite(bw)) or not lat >= 0:
+            raise ValueError(f"profile {self.name!r}: no network figures for {link!r} (net_bw, net_latency_s), "
+                             "needed on several ranks: measure with `infinity doctor --profile OUT.json` "
+                             "or add them by hand")
+        return float(bw), float(lat)
 
     def adamw_rate(self, grad_dtype: str) -> float:
         """Parameters/s of the AdamW with gradients in ``grad_dtype`` (fp32's when not measured)."""

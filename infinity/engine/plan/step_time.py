@@ -34,7 +34,10 @@ follows the last backward):
 Each unit's forward and backward also pays the profile's ``unit_overhead_s``
 (the engine's hooks and bookkeeping, measured beside plain PyTorch).
 
-Left out: ZeRO collectives (world > 1 is refused), activation memory and the
+On several ranks ZeRO's collectives are tasks on the network links
+([Note: collectives in the step model] in collectives.py).
+
+Left out: activation memory and the
 allocator, the data loader, checksums, host-pool back-pressure other than the
 update queue's, and (with gradient accumulation) the reading back of
 gradients spilled to NVMe between backward passes.
@@ -48,6 +51,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from .collectives import LINK, NET_LINKS, grad_reduction, wire_bytes
 from .costs import ROOT_TAIL, PassCosts, count_pass
 from .limits import MAX_QUEUED
 from .opt_kinds import state_bytes
@@ -117,8 +121,7 @@ def predict_step(model: nn.Module, config, run: Callable[[nn.Module], torch.Tens
     counted already (count_pass). See [Note: the step as tasks]."""
     units, modes, places = placed_units
     if modes.world > 1:
-        raise ValueError(f"the step-time model does not cover ZeRO collectives yet (world={modes.world}); "
-                         "predict one rank with world=1")
+        profile.net(NET_LINKS[0])  # raises naming the fix when the profile has no network figures
     if costs is None:
         costs = count_pass(model, run, {u.index: u.modules for u in units[1:]}, modes.dtype)
     b = _Builder(modes, places, profile, costs, config)
@@ -135,6 +138,8 @@ class _Builder:
         self.sim = Simulation(profile.slow_pairs())
         self.dt = _DTYPE_NAME[modes.dtype]
         self.moved = {"h2d": 0, "d2h": 0, "nvme_read": 0, "nvme_write": 0}
+        if modes.world > 1:
+            self.moved.update({k: 0 for k in NET_LINKS})
         self.fetch: Dict[int, Optional[int]] = {}   # unit -> its latest h2d task
         self.n = len(places)
         need = device_need(places, [False] * self.n, modes)
@@ -161,6 +166,12 @@ class _Builder:
         bw = self.prof.h2d_bw if link == "h2d" else self.prof.d2h_bw
         return self.sim.add(name, link, nb / bw, link, deps)
 
+    def _net(self, name: str, link: str, sent: int, deps) -> int:
+        """A collective on ``link`` sending ``sent`` bytes ([Note: collectives in the step model])."""
+        self.moved[link] += sent
+        bw, latency = self.prof.net(link)
+        return self.sim.add(name, link, latency + sent / bw, link, deps)
+
     def _disk(self, name: str, write: bool, nb: int, deps) -> int:
         self.moved["nvme_write" if write else "nvme_read"] += nb
         bw = self.prof.disk_write_bw if write else self.prof.disk_read_bw
@@ -174,7 +185,11 @@ class _Builder:
         if self.params_from_disk:
             deps.append(self._disk(f"read compute {i}", False, nbytes(self.places[i].home_numel, self.m.dtype),
                                    [issue]))
-        t = self._copy(f"h2d {i}", "h2d", nb, deps)
+        if self.m.zero == 3 and self.m.world > 1:  # the own shard up, the unit all-gathered on the device
+            up = self._copy(f"h2d {i} (shard)", "h2d", nb // self.m.world, deps)
+            t = self._net(f"gather {i}", LINK[("param_gather", True)], wire_bytes(nb, self.m.world), [up])
+        else:
+            t = self._copy(f"h2d {i}", "h2d", nb, deps)
         self.fetch[i] = t
         return t
 
@@ -229,10 +244,22 @@ class _Builder:
                 secs += unit_seconds(self.costs, "backward", ROOT_TAIL, self.prof, self.dt)
             prev = self.sim.add(f"{phase} {i}", "compute", secs, COMPUTE, deps)
             if backward and m.host_optimizer and p[i].trainable:
-                gb = nbytes(p[i].trainable_numel, m.grad_dtype)
-                self.grad_out[i] = self._copy(f"grads {i}", "d2h", gb, [prev])
+                self.grad_out[i] = self._grads_out(i, prev)
                 self._after_grads(i)
         return prev
+
+    def _grads_out(self, i: int, after: int) -> int:
+        """Unit ``i``'s gradients to the host, reduced over the ranks after the
+        last backward ([Note: collectives in the step model]); returns the task the update waits for."""
+        m, gb = self.m, nbytes(self.places[i].trainable_numel, self.m.grad_dtype)
+        if m.world == 1 or not self.last_backward:
+            return self._copy(f"grads {i}", "d2h", gb, [after])
+        link, sent, down = grad_reduction(m.zero, m.world, m.reduce_on_device, gb)
+        if m.reduce_on_device:
+            red = self._net(f"reduce grads {i}", link, sent, [after])
+            return self._copy(f"grads {i} (shard)", "d2h", down, [red])
+        out = self._copy(f"grads {i}", "d2h", down, [after])
+        return self._net(f"reduce grads {i}", link, sent, [out])
 
     def _prefetch(self, arena: _Arena, trace: List[int], pos: int, issue) -> None:
         """policy.prefetch_plan: the next ``depth`` distinct units, absent ones within the byte cap."""
@@ -287,8 +314,12 @@ class _Builder:
             self._disk(f"write state {i}", True, self._state_bytes(i), [t])
         if self.params_from_disk:
             self._disk(f"write back compute {i}", True, nbytes(pl.home_numel, m.dtype), [t])
+        after = t
+        if m.world > 1 and m.zero in (1, 2):  # the updated compute copies all-gathered on the host
+            after = self._net(f"gather copy {i}", LINK[("copy_gather", False)],
+                              wire_bytes(pl.compute_bytes, m.world), [t])
         if m.params_on_device:
-            self._copy(f"refresh {i}", "h2d", pl.compute_bytes, [t])
+            self._copy(f"refresh {i}", "h2d", pl.compute_bytes, [after])
         return t
 
     def _delayed_updates(self) -> list:
