@@ -10,8 +10,9 @@ twice that per all-reduce):
 
 - after the unit's last backward, its gradients' reduction: stage 0 an
   all-reduce, stages 1-3 a reduce-scatter. Reduced on the device
-  (placement's ``reduce_on_device``) the reduction runs first and only the
-  own shard crosses D2H; else the full gradients cross first and are
+  (placement's ``reduce_on_device``) the reduction runs first and then only
+  the own shard crosses D2H (stage 0: the whole sum, each rank's optimizer
+  updates the whole unit); else the full gradients cross first and are
   reduced on the host. The update waits for it;
 - stages 1-2, after the unit's update: the all-gather of the updated
   compute copy (the next fetch, or the refresh of a resident copy, waits);
@@ -42,8 +43,8 @@ NET_LINKS = ("net_device", "net_host")
 # Keys: the collective, and for the gradients' reduction whether placement
 # reduces them on the device.
 LINK: Dict[Tuple[str, bool], str] = {
-    ("grad_reduce", True): "net_device",    # stages 2-3 without accumulation: reduce-scatter on the device
-    ("grad_reduce", False): "net_host",     # stages 0-1, accumulation windows: on the host gradients
+    ("grad_reduce", True): "net_device",    # several ranks without accumulation: reduced on the device
+    ("grad_reduce", False): "net_host",     # accumulation windows, stage 0's host cases: on the host gradients
     ("copy_gather", False): "net_host",     # stages 1-2: the updated host compute copies all-gathered
     ("param_gather", True): "net_device",   # stage 3: each fetched unit all-gathered on the device
 }
@@ -58,4 +59,5 @@ def grad_reduction(stage: int, world: int, on_device: bool, grad_bytes: int) -> 
     """``(link, bytes sent, bytes crossing D2H)`` of one unit's gradient
     reduction (``grad_bytes``: its full gradients in the host dtype)."""
     sent = wire_bytes(grad_bytes, world, passes=2 if stage == 0 else 1)  # stage 0: an all-reduce
-    return LINK[("grad_reduce", on_device)], sent, grad_bytes // world if on_device else grad_bytes
+    down = grad_bytes // world if on_device and stage > 0 else grad_bytes  # stage 0 brings the whole sum down
+    return LINK[("grad_reduce", on_device)], sent, down
