@@ -300,11 +300,13 @@ class Gradients:
         rec.home = transition(u.name, "grad home", rec.home, GradHome.HOST)
         return None
 
-    def spill(self, u) -> None:
+    def spill(self, u, claimed: bool = False) -> None:
         """Writes ``u``'s gradients to NVMe and frees their host buffer (NVMe
-        optimizer state, when the update does not run during backward)."""
+        optimizer state, when the update does not run during backward;
+        ``claimed``: the buffer of an update that ran speculatively, on its
+        thread: ``step()`` reads them again)."""
         rec = u.grads
-        if rec.home is not GradHome.HOST:
+        if rec.home is not (GradHome.CLAIMED if claimed else GradHome.HOST):
             return
         self.wait(u)
         h = self.nvme.write(swap_key(u.index, "grad"), rec.grad)
