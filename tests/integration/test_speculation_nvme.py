@@ -28,8 +28,12 @@ def swap_free(model) -> int:
     return sum(p["free_bytes"] for p in infinity.api.engine_of(model).nvme.store.stats()["paths"])
 
 
-@pytest.mark.parametrize("params", ["none", "host"])
-@pytest.mark.parametrize("case", sorted(CLIPS))
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("case,params", [("some", "none"), ("some", "host"), ("never", "host"), ("always", "host"),
+                                         pytest.param("never", "none", marks=SLOW),
+                                         pytest.param("always", "none", marks=SLOW)])
 def test_clipping_bitwise_as_overlap_step(tmp_path, case, params):
     clip, factors = CLIPS[case]
     want = run("step", clip, factors, **nv(tmp_path, offload_params=params))
@@ -94,7 +98,7 @@ def test_swap_files_without_room_for_a_second_copy_wait_for_step(tmp_path):
     assert left == largest + 4096
 
 
-@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("blocking", [True, pytest.param(False, marks=SLOW)])
 def test_checkpoint_across_a_replayed_step(tmp_path, blocking):
     """A checkpoint saved after the replayed step 2 (in the background while
     step 3's updates write their copies) resumes to overlap="step"'s bytes."""
