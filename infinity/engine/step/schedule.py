@@ -381,7 +381,7 @@ class BackwardSchedule(StepSchedule):
                     spec.begin(u)
                 self.update_from_nvme(u, grad, written, scale, hyper, keep_old=spec is not None)
                 if spec is not None and not p.modes.zero:
-                    p.grads.spill(u, claimed=True)  # step()'s norm reads them, and a replay
+                    p.grads.spill(u, claimed=True, runs=self.updater.counted_runs)  # a replay reads them
                 else:
                     p.grads.release(u)
         else:
