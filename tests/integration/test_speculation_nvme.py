@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import infinity
-from engine_utils import batches
-from test_speculation import CLIPS, STEPS, assert_same_bits, finish, make, run, train
+from test_speculation import CLIPS, STEPS, assert_same_bits, fail_step_2, finish, make, run, train
 
 SUBDIRS = iter(range(1 << 30))
 
@@ -122,7 +121,6 @@ def test_a_fault_during_a_replay_fails_the_engine_with_nothing_mixed(tmp_path, m
     """A fault while step 2 is rolled back (the second unit's keys mapped
     back) or redone (the second unit's update): step() raises it, every later
     call EngineFailedError, and the checkpoint of before resumes exactly."""
-    from infinity.engine.faults import EngineFailedError
     from infinity.engine.owners.optstate import OptimizerState
     clip, factors = CLIPS["some"]
     want = run("step", clip, factors, **nv(tmp_path))
@@ -152,16 +150,7 @@ def test_a_fault_during_a_replay_fails_the_engine_with_nothing_mixed(tmp_path, m
             maybe_fail()
             return real_run(*a, **kw)
         monkeypatch.setattr(opt.updater, "run", run_)
-    x, y = batches(3, b=1)[2]
-    opt.scale_loss(model(x, y) * factors[2]).backward()
-    with pytest.raises(RuntimeError, match=f"injected fault in the {where}"):
-        opt.step()
-    assert len(calls) == 2
-    for call in (opt.step, lambda: model(x, y), opt.state_dict, lambda: infinity.full_state_dict(model)):
-        with pytest.raises(EngineFailedError, match=f"injected fault in the {where}"):
-            call()
-    monkeypatch.undo()
-    infinity.close(model)
+    fail_step_2(model, opt, where, calls, monkeypatch)
     model, opt = make("backward", clip, **nv(tmp_path))
     infinity.load_checkpoint(path, model, opt)
     assert_same_bits(finish(model, opt, losses + train(model, opt, factors, STEPS, first=2)), want)
