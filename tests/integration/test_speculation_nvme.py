@@ -45,6 +45,25 @@ def test_clipping_bitwise_as_overlap_step(tmp_path, case, params):
     assert (s["committed"], s["replayed"], s["waited"]) == expect, s
 
 
+def test_gradients_spilled_when_the_pool_cannot_hold_them_all(tmp_path):
+    """A host budget a page below the pool's capacity: the gradients of the
+    speculated units go to disk after their update (the norm's share taken
+    first), and a replay reads them back; still overlap="step"'s bytes."""
+    from infinity.engine.plan.placement import host_need
+    clip, factors = CLIPS["some"]
+    model, _ = make("backward", clip, **nv(tmp_path))
+    eng = infinity.api.engine_of(model)
+    budget = host_need([u.place for u in eng.units], eng.modes).capacity - 4096
+    infinity.close(model)
+    want = run("step", clip, factors, **nv(tmp_path, host_memory=budget))
+    model, opt = make("backward", clip, **nv(tmp_path, host_memory=budget))
+    assert not opt.schedule.spec.keep_grads
+    got = finish(model, opt, train(model, opt, factors, STEPS))
+    assert_same_bits(got, want)
+    s = got[3]["speculation"]
+    assert s["committed"] >= 1 and s["replayed"] >= 1, s
+
+
 @pytest.mark.parametrize("accum,dtype", [(1, "bf16"), (3, "fp32")])
 def test_accumulation_and_compute_dtypes(tmp_path, accum, dtype):
     clip, factors = CLIPS["some"]
@@ -81,10 +100,12 @@ def test_swap_files_without_room_for_a_second_copy_wait_for_step(tmp_path):
         free = swap_free(model)
         largest = max(3 * 4096 * -(-u.place.state_numel * 4 // 4096) for u in infinity.api.engine_of(model).units)
         store.write(("filler",), torch.zeros(free - largest - 4096, dtype=torch.uint8)).wait()
+        keys = set(store.keys())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             losses += train(model, opt, factors, STEPS, first=1)
-        left = swap_free(model)
+        # Gradients of the units that waited are spilled, new keys; nothing else stays taken.
+        left = swap_free(model) + sum(-(-store.meta(k)[0] // 4096) * 4096 for k in set(store.keys()) - keys)
     except BaseException:
         infinity.close(model)
         raise

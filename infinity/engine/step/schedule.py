@@ -380,10 +380,10 @@ class BackwardSchedule(StepSchedule):
                 if spec is not None:
                     spec.begin(u)
                 self.update_from_nvme(u, grad, written, scale, hyper, keep_old=spec is not None)
-                if spec is not None and not p.modes.zero:
-                    p.grads.spill(u, claimed=True, runs=self.updater.counted_runs)  # a replay reads them
-                else:
+                if spec is None or p.modes.zero:
                     p.grads.release(u)
+                elif not spec.keep_grads:  # step()'s norm and a replay need them: on disk meanwhile
+                    p.grads.spill(u, claimed=True, runs=self.updater.counted_runs)
         else:
             def job() -> None:
                 p.grads.wait(u)

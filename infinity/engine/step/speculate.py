@@ -73,8 +73,12 @@ reserved with the undo buffer, on the autograd thread
 them the unit waits for ``step()`` (said once; ``units_without_disk``). The
 swap files are sized for the second copy (``HostNeed.cow_bytes``). The host
 undo buffer holds the compute copy's part only, copied ahead in the update's
-job. The unit's gradients are spilled after its update, as overlap="step"
-spills them: ``step()``'s norm reads them back, and so does a replay. A
+job. The unit's gradients stay in their host buffer until ``step()`` where
+the host pool was sized for every unit's at once (``host_memory`` at least
+the pool's capacity: nothing can wait for their room); else they are
+spilled after the update, as overlap="step" spills them, after taking the
+unit's share of the norm from them (so ``step()``'s norm reads none back;
+a replay does). A
 commit frees the old extents; a rollback maps the keys back to them (and
 the moments back to "never written" where they were), so the replay's
 check-out reads the state of before, bytes and checksums as written then.
@@ -146,8 +150,10 @@ class Speculation:
     ``stats``, ``modes``, ``units``); ``scaling`` gives the scale an update
     runs with before the check (``base_scale``)."""
 
-    def __init__(self, parts, scaling):
+    def __init__(self, parts, scaling, keep_grads: bool = False):
         self.p, self.scaling = parts, scaling
+        # NVMe state: the host pool holds every unit's gradients at once, so they stay there until step().
+        self.keep_grads = keep_grads
         self.scale: Optional[float] = None  # the gradient scale this step's speculative updates ran with
         self._undo: Dict[int, _Undo] = {}   # unit index -> undo state, in the order the updates were queued
         self._now: Optional[bool] = None    # this step speculates (None: not decided yet)
