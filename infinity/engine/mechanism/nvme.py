@@ -100,7 +100,7 @@ class NvmeTier:
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         self.stats.moved("nvme_write", n)
         self._settle(k)
-        h = RetryingHandle(lambda: self.store.write(k, t, crcs, keep_old), self.retried)
+        h = RetryingHandle(lambda: self.store.write(k, t, crcs, keep_old=keep_old), self.retried)
         with self._writes_lock:
             self._writes[k] = h
         return h
