@@ -253,7 +253,9 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     updated speculatively, of them ``committed``, ``replayed`` with the clip
     coefficient and ``skipped`` on an overflow; ``waited`` (steps that
     waited for ``step()`` after a replay), ``units_without_room`` (updates
-    that waited: no host room for their undo state), ``replay_seconds``, and
+    that waited: no host room for their undo state), ``units_without_disk``
+    (updates that waited: no swap room for a second copy of their NVMe
+    state), ``replay_seconds``, and
     ``off``: why speculation is not available in this run, or None);
     ``pressure_events`` (what the engine gave back under memory pressure,
     and when), ``host_cache_cap`` (the host cache's cap now, or None) and
@@ -300,7 +302,8 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "skipped_steps": s.skipped_steps,
         "speculation": {"steps": s.spec_steps, "committed": s.spec_committed, "replayed": s.spec_replayed,
                         "skipped": s.spec_skipped, "waited": s.spec_waited,
-                        "units_without_room": s.spec_units_without_room, "replay_seconds": s.spec_replay_seconds,
+                        "units_without_room": s.spec_units_without_room,
+                        "units_without_disk": s.spec_units_without_disk, "replay_seconds": s.spec_replay_seconds,
                         "off": s.spec_off or None},
         "trace_invalidations": s.trace_invalidations,
         "units": len(eng.units),

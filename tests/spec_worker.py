@@ -15,12 +15,15 @@ from engine_utils import batches, unequal_net  # noqa: E402
 
 
 def _train(case: dict, overlap: str, rank: int, world: int) -> dict:
-    """One run of ``case`` (stage, clip, factors, dtype, accum, params):
+    """One run of ``case`` (stage, clip, factors, dtype, accum, params,
+    optimizer and its swap folder ``swap``):
     losses, parameters, optimizer state and stats of this rank."""
     accum, factors = case.get("accum", 1), case["factors"]
     cfg = infinity.Config(device="cpu", dtype=case.get("dtype", "fp32"), offload_params=case.get("params", "host"),
-                          offload_optimizer="host", host_memory="64MiB", zero_stage=case["stage"], overlap=overlap,
-                          max_grad_norm=case.get("clip"), grad_accumulation_steps=accum)
+                          offload_optimizer=case.get("optimizer", "host"), host_memory="64MiB",
+                          zero_stage=case["stage"], overlap=overlap, max_grad_norm=case.get("clip"),
+                          grad_accumulation_steps=accum, swap_paths=[case.get("swap", "./infinity-swap")],
+                          swap_block_size=4096)
     model, opt = infinity.initialize(unequal_net(hidden=(16, 8, 24, 8)), cfg, lr=1e-2, weight_decay=0.1)
     try:
         data, losses = batches(len(factors) * accum, b=world), []

@@ -31,6 +31,7 @@ class Stats:
     spec_skipped: int = 0            # rolled back and skipped (a non-finite norm)
     spec_waited: int = 0             # steps that waited for step() after a replay (the back-off)
     spec_units_without_room: int = 0  # units that waited for step(): no host room for their undo state
+    spec_units_without_disk: int = 0  # units that waited for step(): no swap room for their new NVMe state
     spec_replay_seconds: float = 0.0  # rollbacks and redone updates
     spec_off: str = ""               # why speculation is not available in this run ("" if it is, or not needed)
     # See [Note: exposed communication time] in mechanism/comm_clock.py:

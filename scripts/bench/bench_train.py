@@ -92,7 +92,7 @@ def build(args) -> dict:
     model = make_model(args)
     host = model_state * 2 if args.offload == "host" else int(model_state * args.host_frac)
     cfg = infinity.Config(device=args.device, dtype="fp32", device_memory=budget, host_memory=host,
-                          offload_params=args.offload, offload_optimizer=args.offload, overlap=args.overlap,
+                          offload_params=args.params or args.offload, offload_optimizer=args.offload, overlap=args.overlap,
                           prefetch_depth=args.prefetch_depth, swap_paths=args.swap_dir or ["./infinity-swap"],
                           swap_checksum=not args.no_checksum)
     cfg = at_least_minimum(model, cfg, f"device budget (--budget-frac {args.budget_frac})")
@@ -390,6 +390,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--clip", action="store_true",
                     help="instead: overlap='step' against 'backward' without clipping, with clipping never "
                          "triggered and always triggered, interleaved (bench_clip.py)")
+    ap.add_argument("--params", default=None, choices=["none", "host", "nvme"],
+                    help="with --clip: offload_params (default: --offload; 'host' with --offload nvme keeps "
+                         "the parameters on the host and the optimizer state on NVMe)")
     ap.add_argument("--json", default="bench-results/bench_train.json",
                     help="where to write the JSON report (default %(default)s)")
     return ap.parse_args()
@@ -403,7 +406,7 @@ def clip_main(args) -> int:
     data = [(torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device),
              torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)) for _ in range(4)]
     base = dict(device=args.device, dtype="fp32", device_memory=None, host_memory=n * 16 * 3,
-                offload_params=args.offload, offload_optimizer=args.offload, prefetch_depth=args.prefetch_depth,
+                offload_params=args.params or args.offload, offload_optimizer=args.offload, prefetch_depth=args.prefetch_depth,
                 swap_paths=args.swap_dir or ["./infinity-swap"], swap_checksum=not args.no_checksum)
     res = bench_clip.run(args, make_model, data, base)
     print(f"JSON: {write_json(args.json.replace('bench_train', 'bench_train_clip'), res)}")

@@ -102,9 +102,9 @@ def test_nvme_update_passes_its_sums_to_the_store(tmp_path, monkeypatch, overlap
     seen = []
     write = SwapStore.write
 
-    def spy(self, key, tensor, crcs=None):
+    def spy(self, key, tensor, crcs=None, **kw):
         seen.append((key, crcs is not None))
-        return write(self, key, tensor, crcs)
+        return write(self, key, tensor, crcs, **kw)
 
     monkeypatch.setattr(SwapStore, "write", spy)
     model, _, _, _ = train_pair(make, cfg(tmp_path, overlap=overlap, host_memory=16 * UB), steps=6)

@@ -150,12 +150,12 @@ def test_undo_state_without_room_waits_for_step():
 
 
 def test_unavailable_combinations_say_why(tmp_path):
-    """NVMe optimizer state: the updates wait for step() (as before), and stats() says why."""
+    """NVMe parameters: the updates wait for step() (as before), and stats() says why."""
     clip, factors = CLIPS["some"]
-    got = run("backward", clip, factors, steps=2, offload_optimizer="nvme", swap_paths=[str(tmp_path)],
-              swap_block_size=4096)
+    got = run("backward", clip, factors, steps=2, offload_params="nvme", offload_optimizer="nvme",
+              swap_paths=[str(tmp_path)], swap_block_size=4096)
     s = got[3]["speculation"]
-    assert s["steps"] == 0 and "offload_optimizer='nvme'" in s["off"], s
+    assert s["steps"] == 0 and "offload_params='nvme'" in s["off"], s
     assert run("backward", None, factors, steps=1)[3]["speculation"]["off"] is None  # not needed, not off
 
 
@@ -186,7 +186,6 @@ def test_a_fault_during_a_replay_fails_the_engine_with_nothing_mixed(tmp_path, m
     every later call EngineFailedError naming it (no mix of replayed and
     speculated units is served), and the checkpoint of before the step
     resumes to overlap="step"'s bytes."""
-    from infinity.engine.faults import EngineFailedError
     from infinity.engine.step import speculate
     clip, factors = CLIPS["some"]
     want = run("step", clip, factors)
@@ -208,8 +207,18 @@ def test_a_fault_during_a_replay_fails_the_engine_with_nothing_mixed(tmp_path, m
         monkeypatch.setattr(speculate, "_restore", failing(speculate._restore))
     else:
         monkeypatch.setattr(opt.updater, "run", failing(opt.updater.run))
+    fail_step_2(model, opt, where, calls, monkeypatch)
+    model, opt = make("backward", clip)
+    infinity.load_checkpoint(path, model, opt)
+    assert_same_bits(finish(model, opt, losses + train(model, opt, factors, STEPS, first=2)), want)
+
+
+def fail_step_2(model, opt, where, calls, monkeypatch) -> None:
+    """Step 2 (clipped) with a fault injected in its ``where``: step() raises
+    it after two replay calls, every later call EngineFailedError; closes the engine."""
+    from infinity.engine.faults import EngineFailedError
     x, y = batches(3, b=1)[2]
-    opt.scale_loss(model(x, y) * factors[2]).backward()
+    opt.scale_loss(model(x, y) * SOME[2]).backward()
     with pytest.raises(RuntimeError, match=f"injected fault in the {where}"):
         opt.step()
     assert len(calls) == 2
@@ -218,6 +227,3 @@ def test_a_fault_during_a_replay_fails_the_engine_with_nothing_mixed(tmp_path, m
             call()
     monkeypatch.undo()
     infinity.close(model)
-    model, opt = make("backward", clip)
-    infinity.load_checkpoint(path, model, opt)
-    assert_same_bits(finish(model, opt, losses + train(model, opt, factors, STEPS, first=2)), want)

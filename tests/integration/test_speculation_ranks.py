@@ -85,3 +85,11 @@ def test_speculation_on_two_ranks_full_matrix(tmp_path):
     3, parameters on the device, fp16 overflows, bf16 compute."""
     for c, ranks in zip(FULL, spawn(tmp_path, FULL)):
         check(c, ranks)
+
+
+def test_speculation_with_nvme_optimizer_state_on_two_ranks(tmp_path):
+    """NVMe optimizer state ([Note: speculation with NVMe optimizer state]):
+    stage 0 and ZeRO-2, clipping on some steps."""
+    cases = [case(s, "some", optimizer="nvme", swap=str(tmp_path / "swap")) for s in (0, 2)]
+    for c, ranks in zip(cases, spawn(tmp_path, cases)):
+        check(c, ranks)

@@ -87,9 +87,11 @@ class NvmeTier:
         """Chunk of the sums a producer may pass to :meth:`write` (None: none taken)."""
         return self.store.sum_chunk_bytes
 
-    def write(self, k: Hashable, t: torch.Tensor, crcs=None) -> "RetryingHandle":
+    def write(self, k: Hashable, t: torch.Tensor, crcs=None, keep_old: bool = False) -> "RetryingHandle":
         """Starts writing ``t`` (a contiguous CPU tensor, unchanged until the handle completes);
-        ``crcs``: its sums, from the producer (:meth:`SwapStore.write <infinity.io.SwapStore.write>`).
+        ``crcs``: its sums, from the producer (:meth:`SwapStore.write <infinity.io.SwapStore.write>`);
+        ``keep_old``: to fresh extents, the old ones kept until :meth:`commit` or
+        :meth:`rollback` ([Note: copy-on-write keys] in io/swap/store.py).
         Transient failures are retried when the handle is waited for."""
         n = t.numel() * t.element_size()
         if k not in self._sizes:
@@ -98,7 +100,7 @@ class NvmeTier:
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         self.stats.moved("nvme_write", n)
         self._settle(k)
-        h = RetryingHandle(lambda: self.store.write(k, t, crcs), self.retried)
+        h = RetryingHandle(lambda: self.store.write(k, t, crcs, keep_old=keep_old), self.retried)
         with self._writes_lock:
             self._writes[k] = h
         return h
@@ -121,6 +123,23 @@ class NvmeTier:
             with self._writes_lock:
                 if self._writes.get(k) is w:
                     del self._writes[k]
+
+    def reserve(self, k: Hashable, nbytes: int) -> bool:
+        """Fresh extents for the next ``keep_old`` write of ``k``; False when the swap files have no room."""
+        return self.store.reserve(k, nbytes)
+
+    def unreserve(self, k: Hashable) -> None:
+        """Gives back what :meth:`reserve` set aside for ``k`` and no write used."""
+        self.store.unreserve(k)
+
+    def commit(self, k: Hashable) -> None:
+        """``k``'s ``keep_old`` write stands: the old extents are freed."""
+        self.store.commit(k)
+
+    def rollback(self, k: Hashable) -> None:
+        """``k`` holds what it held before its ``keep_old`` write again (once that write ended)."""
+        self._settle(k)
+        self.store.rollback(k)
 
     def bytes_of(self, keys) -> int:
         """Bytes the swap files hold for ``keys`` (as first written; 0 for a key never written)."""

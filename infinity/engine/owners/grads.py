@@ -43,7 +43,7 @@ from ..plan.limits import GRAD_BUCKET_BYTES, MAX_REDUCING  # See [Note: limits t
 from ..plan.placement import device_reduce_bytes
 from .grad_buckets import Bucket, bucket_elems, land, make_buckets, open_stage, runs_of
 from .grad_device import DeviceGrad, drop_full, issue_reduction, land_slot, open_full
-from .grad_norm import sum_of_squares
+from .grad_norm import sum_of_squares, unit_part
 
 __all__ = ["GradRecord", "Gradients"]
 
@@ -67,6 +67,7 @@ class GradRecord:
     bucket_of: List[int] = field(default_factory=list)   # per trainable slot: its bucket, -1 for none
     device: DeviceGrad = field(default_factory=DeviceGrad)  # the device path (grad_device.py)
     anywhere: Optional[tuple] = None          # the flags' OR over the ranks in flight (grad_written.py)
+    norm_part: Optional[tuple] = None         # (written, share of the squared norm) taken before a spill
 
 
 class Gradients:
@@ -300,13 +301,19 @@ class Gradients:
         rec.home = transition(u.name, "grad home", rec.home, GradHome.HOST)
         return None
 
-    def spill(self, u) -> None:
+    def spill(self, u, claimed: bool = False, runs=None) -> None:
         """Writes ``u``'s gradients to NVMe and frees their host buffer (NVMe
-        optimizer state, when the update does not run during backward)."""
+        optimizer state, when the update does not run during backward;
+        ``claimed``: the buffer of an update that ran speculatively, on its
+        thread: a replay reads them again). ``runs(u, written, grad)``: the
+        ranges the norm counts, whose share is taken first, so ``step()``'s
+        norm need not read them back."""
         rec = u.grads
-        if rec.home is not GradHome.HOST:
+        if rec.home is not (GradHome.CLAIMED if claimed else GradHome.HOST):
             return
         self.wait(u)
+        if runs is not None:
+            rec.norm_part = (list(rec.written), unit_part(rec.grad, runs(u, rec.written, rec.grad)))
         h = self.nvme.write(swap_key(u.index, "grad"), rec.grad)
         self.room.defer_release(h, rec.buf)
         rec.grad = rec.buf = None
@@ -504,7 +511,7 @@ class Gradients:
             self.release(u)
         rec = u.grads
         self.device_tier.sub_transient(drop_full(rec.device))  # a window discarded before its reduction
-        rec.reduced = False
+        rec.reduced, rec.norm_part = False, None
         grad_written.settle(rec)  # before the flags are reset: none may land in the next window
         if rec.state is GradState.ACCUMULATING:
             rec.state = transition(u.name, "grad", rec.state, GradState.CLEAN)

@@ -130,20 +130,61 @@ class OptimizerState:
         o.bufs = bufs
         return handles
 
-    def checkin(self, u, sums: Optional[dict]) -> None:
+    def checkin(self, u, sums: Optional[dict], keep_old: bool = False) -> None:
         """Writes ``u``'s updated state back to NVMe (asynchronously; the
         buffers are freed when the writes are done), with the update's
-        checksums ``sums`` (kind -> sums, or None). Resident state: nothing."""
+        checksums ``sums`` (kind -> sums, or None). ``keep_old``: a
+        speculative update's, to the extents :meth:`reserve_copy` set aside,
+        the old state kept until :meth:`settle_copy`. Resident state: nothing."""
         o = u.opt
         if o.state is OptState.RESIDENT:
             return
         sums = sums or {}
-        kinds = self.kinds[1:] if u.place.aliased else self.kinds
-        for kind, buf in zip(kinds, o.bufs):
-            h = self.nvme.write(swap_key(u.index, kind), getattr(o, kind), sums.get(kind))
+        for kind, buf in zip(self._home_kinds(u), o.bufs):
+            h = self.nvme.write(swap_key(u.index, kind), getattr(o, kind), sums.get(kind), keep_old)
             self.room.defer_release(h, buf)
         self._forget(u)
         o.fresh = False
+
+    # -- copy-on-write (speculative updates) ---------------------------------------------------
+
+    def _home_kinds(self, u) -> tuple:
+        """The kinds ``u`` keeps under its own swap keys (an aliased master is the compute copy's)."""
+        return self.kinds[1:] if u.place.aliased else self.kinds
+
+    def reserve_copy(self, u) -> bool:
+        """Fresh swap extents for a speculative check-in of ``u``'s NVMe state
+        (see [Note: copy-on-write keys] in io/swap/store.py); False, nothing
+        reserved, when the swap files cannot hold a second copy now."""
+        done = []
+        for kind in self._home_kinds(u):
+            k = swap_key(u.index, kind)
+            if not self.nvme.reserve(k, nbytes(kind_numel(kind, u.place.state_numel),
+                                               kind_dtype(kind, self.moment_dtype))):
+                for d in done:
+                    self.nvme.unreserve(d)
+                return False
+            done.append(k)
+        return True
+
+    def release_copy(self, u) -> None:
+        """Gives back the extents :meth:`reserve_copy` set aside and no check-in used."""
+        for kind in self._home_kinds(u):
+            self.nvme.unreserve(swap_key(u.index, kind))
+
+    def settle_copy(self, u, keep: bool, fresh: bool = False) -> None:
+        """After a speculative check-in: ``keep``, the new state stands and the
+        old extents are freed; else ``u``'s swap keys hold the state of before
+        again (``fresh``: its moments were never written, zeros). Extents
+        reserved and not written are given back either way."""
+        for kind in self._home_kinds(u):
+            k = swap_key(u.index, kind)
+            if keep:
+                self.nvme.commit(k)
+            else:
+                self.nvme.rollback(k)
+        if not keep:
+            u.opt.fresh = fresh
 
     def discard(self, u) -> None:
         """Gives back the buffers of state checked out or read ahead and not

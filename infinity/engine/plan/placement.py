@@ -193,8 +193,8 @@ def speculation_needed(config) -> bool:
 def speculation_unsupported(config, world: int) -> Optional[str]:
     """Why speculative updates are not available under ``config`` on
     ``world`` ranks (the updates then wait for ``step()``), or None."""
-    if config.offload_optimizer != "host":
-        return f"offload_optimizer={config.offload_optimizer!r} (speculation needs 'host')"
+    if config.offload_optimizer == "none":
+        return "offload_optimizer='none' (speculation needs 'host' or 'nvme')"
     if config.offload_params == "nvme":
         return "offload_params='nvme' (speculation needs 'none' or 'host')"
     return None
@@ -293,6 +293,7 @@ class HostNeed:
     nvme_bytes: int  # what the swap files hold
     spill_bytes: int = 0  # swap room kept for host homes spilled under memory pressure (see spillable)
     undo_bytes: int = 0   # the speculative updates' undo state, in the capacity (see undo_bytes)
+    cow_bytes: int = 0    # swap room for the speculative updates' new NVMe state (the old one stays till step())
     keys_per_unit: int = KINDS_PER_UNIT  # swap keys a unit may have (int8 moments add their two scales)
 
 
@@ -331,8 +332,18 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
     undo = sum(undo_bytes(p, modes) for p in places if p.trainable) if modes.speculate else 0
     capacity = perm + (cache_all + pipeline if modes.nvme_used else 0) + zero_transient + undo
     spill = sum(round_pool(nbytes(p.home_numel, modes.dtype)) for p in places) if spillable(modes) else 0
-    return HostNeed(perm, minimum, capacity, nvme, spill, undo,
+    cow = _cow_bytes(places, modes)
+    return HostNeed(perm, minimum, capacity, nvme, spill, undo, cow,
                     KINDS_PER_UNIT + len(state_kinds(modes.moment_dtype)) - len(state_kinds("fp32")))
+
+
+def _cow_bytes(places: List[UnitPlacement], modes: Modes) -> int:
+    """Swap bytes of a second copy of the NVMe optimizer state, which
+    speculative updates write to while the old one stays (see [Note:
+    copy-on-write keys] in io/swap/store.py); 0 without them."""
+    if not (modes.speculate and modes.opt_nvme):
+        return 0
+    return sum(state_bytes(p.state_numel, modes.moment_dtype, master=not p.aliased) for p in places if p.trainable)
 
 
 def grad_staging(places: List[UnitPlacement], modes: Modes) -> Tuple[int, int]:
@@ -354,7 +365,11 @@ def undo_bytes(p: UnitPlacement, modes: Modes) -> int:
     master and moments and the part of its compute copy the update writes
     (the trainable part; under ZeRO the own shard's, as many elements as the
     state), in one pool buffer. Not in the minimum: a unit without room
-    waits for ``step()`` (see [Note: speculative updates] in step/speculate.py)."""
+    waits for ``step()`` (see [Note: speculative updates] in step/speculate.py).
+    NVMe optimizer state: the compute copy's part only (the old state stays
+    on disk: ``HostNeed.cow_bytes``)."""
+    if modes.opt_nvme:
+        return round_pool(nbytes(p.state_numel, modes.dtype))
     return round_pool(state_bytes(p.state_numel, modes.moment_dtype) + nbytes(p.state_numel, modes.dtype))
 
 
@@ -402,5 +417,8 @@ def _zero_full(modes: Modes, tb: int) -> int:
 
 def nvme_capacity(need: HostNeed, units: int, paths: int) -> int:
     """Bytes of swap files per rank: the state and the room for spilled homes,
-    plus per key and path two pages of extent rounding, plus ``SWAP_SLACK_PAGES``."""
-    return need.nvme_bytes + need.spill_bytes + 2 * 4096 * units * need.keys_per_unit * paths + SWAP_SLACK_PAGES * 4096
+    the second copy of speculative updates (``cow_bytes``), plus per key and path
+    two pages of extent rounding, plus ``SWAP_SLACK_PAGES``."""
+    keys = need.keys_per_unit * (2 if need.cow_bytes else 1)  # copy-on-write keys have two entries
+    return (need.nvme_bytes + need.spill_bytes + need.cow_bytes + 2 * 4096 * units * keys * paths
+            + SWAP_SLACK_PAGES * 4096)

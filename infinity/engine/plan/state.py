@@ -92,11 +92,12 @@ buffer is (grads.py):
     HOST       a transient host buffer
     SPILLED    on NVMe only (written when the unit's backward was done)
     LOADED     on NVMe, and read back into a host buffer (for the norm or the update)
-    CLAIMED    an update during backward owns the host buffer and frees it
+    CLAIMED    an update during backward owns the host buffer and frees it (or,
+               speculative, spills it: step() reads it again)
 
     NONE -> HOST | PERMANENT;  HOST -> SPILLED | CLAIMED | NONE;
     SPILLED -> HOST (read back to accumulate) | LOADED | NONE;
-    LOADED -> SPILLED (dropped again) | NONE;  CLAIMED -> NONE
+    LOADED -> SPILLED (dropped again) | NONE;  CLAIMED -> NONE | SPILLED
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ _LEGAL = {
     GradHome.HOST: {GradHome.SPILLED, GradHome.CLAIMED, GradHome.NONE},
     GradHome.SPILLED: {GradHome.HOST, GradHome.LOADED, GradHome.NONE},
     GradHome.LOADED: {GradHome.SPILLED, GradHome.NONE},
-    GradHome.CLAIMED: {GradHome.NONE},
+    GradHome.CLAIMED: {GradHome.NONE, GradHome.SPILLED},
 }
 
 

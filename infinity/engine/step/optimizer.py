@@ -27,7 +27,7 @@ from ...optim.functional import group_hyper
 from ...system import native
 from ..plan.limits import optimizer_threads
 from ..faults import UsageError
-from ..plan.placement import speculation_needed, speculation_unsupported
+from ..plan.placement import host_need, speculation_needed, speculation_unsupported
 from .scaling import Scaling
 from .speculate import Speculation
 from .state_view import StateView
@@ -80,7 +80,11 @@ class InfinityOptimizer(torch.optim.Optimizer):
         if not speculation_needed(cfg):
             return None
         if engine.modes.speculate:
-            return Speculation(engine.parts, self.scaling)
+            # NVMe state: gradients kept on the host when the pool holds all of them ([Note: speculation with
+            # NVMe optimizer state] in speculate.py).
+            return Speculation(engine.parts, self.scaling,
+                               keep_grads=engine.host_budget >= host_need([u.place for u in engine.units],
+                                                                          engine.modes).capacity)
         why = speculation_unsupported(cfg, engine.sharding.world)
         engine.stats.spec_off = why
         log.info("infinity: overlap='backward' with clipping or fp16: the updates wait for optimizer.step(), "

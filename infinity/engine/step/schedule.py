@@ -256,14 +256,16 @@ class StepSchedule:
             if p.modes.host_optimizer:
                 p.host_cache.close_update(u)
 
-    def update_from_nvme(self, u, grad, written: List[bool], scale: float, hyper=None) -> None:
+    def update_from_nvme(self, u, grad, written: List[bool], scale: float, hyper=None, keep_old=False) -> None:
         """One unit's update with its state checked out from NVMe (the reads
-        waited for), then checked back in with the kernel's checksums."""
+        waited for), then checked back in with the kernel's checksums
+        (``keep_old``: a speculative update's, copy-on-write: see
+        ``OptimizerState.checkin``)."""
         p = self.p
         p.fence.wait_unit(u)
         sums = self.updater.run(u, grad, written, p.host_cache.open_for_update(u, all(written)), scale, live=True,
                                 hyper=hyper)
-        p.optstate.checkin(u, sums)
+        p.optstate.checkin(u, sums, keep_old)
         # [Note: fp32 master aliasing]: the master's sums over the whole copy
         # go with its write-back on eviction ([Note: sums from the producer]).
         whole = sums is not None and u.place.aliased and u.place.trainable_numel == u.place.compute_numel
@@ -373,8 +375,13 @@ class BackwardSchedule(StepSchedule):
                 p.grads.wait(u)
                 for h in p.optstate.checkout(u):
                     h.wait()
-                self.update_from_nvme(u, grad, written, scale, hyper)
-                p.grads.release(u)
+                if spec is not None:
+                    spec.begin(u)
+                self.update_from_nvme(u, grad, written, scale, hyper, keep_old=spec is not None)
+                if spec is None or p.modes.zero:
+                    p.grads.release(u)
+                elif not spec.keep_grads:  # step()'s norm and a replay need them: on disk meanwhile
+                    p.grads.spill(u, claimed=True, runs=self.updater.counted_runs)
         else:
             def job() -> None:
                 p.grads.wait(u)

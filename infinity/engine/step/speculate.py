@@ -63,6 +63,28 @@ update starts early). Stages 1-2's all-gather of the new compute copies
 runs in ``step()`` after every update, committed or replayed (and not at
 all for a skipped step), so it always carries overlap="step"'s bytes.
 
+[Note: speculation with NVMe optimizer state]
+With ``offload_optimizer="nvme"`` the old state is kept where it is, on
+disk: a speculative update's check-in writes the new master and moments to
+fresh extents, and the old ones stay mapped aside until ``step()`` decides
+([Note: copy-on-write keys] in io/swap/store.py). The fresh extents are
+reserved with the undo buffer, on the autograd thread
+(``OptimizerState.reserve_copy``); where the swap files have no room for
+them the unit waits for ``step()`` (said once; ``units_without_disk``). The
+swap files are sized for the second copy (``HostNeed.cow_bytes``). The host
+undo buffer holds the compute copy's part only, copied ahead in the update's
+job. The unit's gradients stay in their host buffer until ``step()`` where
+the host pool was sized for every unit's at once (``host_memory`` at least
+the pool's capacity: nothing can wait for their room); else they are
+spilled after the update, as overlap="step" spills them, after taking the
+unit's share of the norm from them (so ``step()``'s norm reads none back;
+a replay does). A
+commit frees the old extents; a rollback maps the keys back to them (and
+the moments back to "never written" where they were), so the replay's
+check-out reads the state of before, bytes and checksums as written then.
+Parameters on NVMe (``offload_params="nvme"``) are not covered yet: their
+compute copies are written back from the host cache on eviction, in place.
+
 The hyper-parameters are those of the step's first early update ([Note:
 hyper-parameters of early updates] in schedule.py), for the replay too.
 
@@ -108,6 +130,8 @@ class _Undo:
     steps: Optional[List[int]] = None  # the slots' step counts, once the update began
     # (state ranges, compute ranges or None) the kernel calls saved; None: the whole buffers, saved ahead.
     runs: Optional[List[Tuple[Runs, Optional[Runs]]]] = None
+    cow: bool = False    # NVMe state: written copy-on-write, the old one on disk (state is {})
+    fresh: bool = False  # NVMe state: its moments were never written before the update
 
     def take(self, state: Runs, compute: Optional[Runs]) -> tuple:
         """The save buffers of one kernel call over the master's ranges
@@ -126,14 +150,16 @@ class Speculation:
     ``stats``, ``modes``, ``units``); ``scaling`` gives the scale an update
     runs with before the check (``base_scale``)."""
 
-    def __init__(self, parts, scaling):
+    def __init__(self, parts, scaling, keep_grads: bool = False):
         self.p, self.scaling = parts, scaling
+        # NVMe state: the host pool holds every unit's gradients at once, so they stay there until step().
+        self.keep_grads = keep_grads
         self.scale: Optional[float] = None  # the gradient scale this step's speculative updates ran with
         self._undo: Dict[int, _Undo] = {}   # unit index -> undo state, in the order the updates were queued
         self._now: Optional[bool] = None    # this step speculates (None: not decided yet)
         self._backoff = 0                   # steps the last back-off waited
         self._wait = 0                      # steps still to wait
-        self._warned_room = False
+        self._warned: set = set()           # the fallbacks said already ("host", "disk")
 
     # -- during backward ------------------------------------------------------------------
 
@@ -154,19 +180,26 @@ class Speculation:
         got = p.room.try_acquire(undo_bytes(u.place, p.modes), torch.uint8)
         if got is None:
             p.stats.spec_units_without_room += 1
-            self._warn_room(u)
+            self._warn(u, "host")
             return False
         raw, buf = got
+        cow = p.modes.opt_nvme
+        if cow and not p.optstate.reserve_copy(u):  # See [Note: speculation with NVMe optimizer state]
+            with p.room.lock:
+                p.room.release(buf)
+            p.stats.spec_units_without_disk += 1
+            self._warn(u, "disk")
+            return False
         sn, tn, md = u.place.state_numel, u.place.trainable_numel, p.modes.moment_dtype
         state, at = {}, 0
-        for kind in state_kinds(md):  # each starts on 4 bytes: sn is a multiple of 32
+        for kind in () if cow else state_kinds(md):  # each starts on 4 bytes: sn is a multiple of 32
             dt = kind_dtype(kind, md)
             n = nbytes(kind_numel(kind, sn), dt)
             state[kind], at = raw[at:at + n].view(dt), at + n
         # See [Note: speculation on several ranks]: the part of the compute copy this rank's update writes.
         comp = raw[at:at + nbytes(sn, p.modes.dtype)].view(p.modes.dtype)
         lo = p.sharding.shard(tn)[0] if p.modes.zero in (1, 2) else 0
-        self._undo[u.index] = _Undo(buf, state, comp, lo)
+        self._undo[u.index] = _Undo(buf, state, comp, lo, cow=cow)
         return True
 
     def save(self, u) -> None:
@@ -177,6 +210,7 @@ class Speculation:
             t.copy_(getattr(o, kind))
         d.compute.copy_(self.p.host_cache.home(u)[d.lo:d.lo + d.compute.numel()])
         d.steps = [s.step for s in u.layout.trainable_slots]
+        d.fresh = u.opt.fresh
 
     def begin(self, u) -> Optional[_Undo]:
         """``u``'s update starts (host thread): its step counts are kept;
@@ -185,24 +219,33 @@ class Speculation:
         d = self._undo[u.index]
         if d.steps is not None:
             return None
-        if self.p.modes.moment_dtype != "fp32":
-            self.save(u)  # the kernel saves fp32 state only: low-bit moments and their scales are copied whole
+        if d.cow or self.p.modes.moment_dtype != "fp32":
+            # NVMe state stays on disk: the compute copy is copied whole; the kernel saves fp32 state
+            # only: low-bit moments and their scales are copied whole.
+            self.save(u)
             return None
         d.runs = []
         d.steps = [s.step for s in u.layout.trainable_slots]
         return d
 
-    def _warn_room(self, u) -> None:
-        if self._warned_room:
+    def _warn(self, u, where: str) -> None:
+        """Says once per ``where`` ("host": no host room for the undo state;
+        "disk": no swap room for a second copy of the NVMe state) that updates wait."""
+        if where in self._warned:
             return
-        self._warned_room = True
+        self._warned.add(where)
+        if where == "host":
+            what = (f"the host pool has no room for the undo state of unit {u.name!r} "
+                    f"({undo_bytes(u.place, self.p.modes)} bytes)")
+            fix, stat = "Raise host_memory", "units_without_room"
+        else:
+            what = f"the swap files have no room for a second copy of the NVMe optimizer state of unit {u.name!r}"
+            fix, stat = "Free disk space in swap_paths", "units_without_disk"
         warnings.warn(
-            f"infinity: the host pool has no room for the undo state of unit {u.name!r} "
-            f"({undo_bytes(u.place, self.p.modes)} bytes), so its update waits for optimizer.step() instead of "
-            "running during backward (overlap='backward' with clipping or fp16 updates speculatively: [Note: "
-            "speculative updates] in infinity/engine/step/speculate.py). Raise host_memory to hide it. The "
-            "result is the same. (Warned once; stats()['speculation']['units_without_room'] counts them.)",
-            RuntimeWarning, stacklevel=2)
+            f"infinity: {what}, so its update waits for optimizer.step() instead of running during backward "
+            "(overlap='backward' with clipping or fp16 updates speculatively: [Note: speculative updates] in "
+            f"infinity/engine/step/speculate.py). {fix} to hide it. The result is the same. (Warned once; "
+            f"stats()['speculation']['{stat}'] counts them.)", RuntimeWarning, stacklevel=3)
 
     # -- at step() -------------------------------------------------------------------------
 
@@ -221,6 +264,9 @@ class Speculation:
         if not skip and scale == self.scale:
             st.spec_committed += 1
             self._backoff = 0
+            for i, d in self._undo.items():
+                if d.cow and d.steps is not None:
+                    self.p.optstate.settle_copy(self.p.units[i], keep=True)  # the old extents are freed
             self._release()
             return True
         t0 = time.perf_counter()
@@ -252,6 +298,8 @@ class Speculation:
             if d.steps is None:
                 continue  # its update never started (a fault before it)
             p.fence.wait_unit(u)
+            if d.cow:  # the swap keys map to the state of before again
+                p.optstate.settle_copy(u, keep=False, fresh=d.fresh)
             _restore(u, d, p.host_cache, compute)
             p.values_changed(u)
         self._release()
@@ -263,6 +311,9 @@ class Speculation:
             with self.p.room.lock:
                 for d in undo.values():
                     self.p.room.release(d.buf)
+            for i, d in undo.items():
+                if d.cow:  # extents reserved for an update that never ran
+                    self.p.optstate.release_copy(self.p.units[i])
 
 
 def _restore(u, d: _Undo, host_cache, compute: bool) -> None:

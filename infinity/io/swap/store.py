@@ -18,6 +18,17 @@ Operations on different keys run concurrently. On the same key, a ``read``
 or ``free`` waits for an earlier ``write`` to complete, and a ``write`` or
 ``free`` waits for earlier reads and writes: a caller never reads a
 half-written extent, and extents are never reused under a transfer.
+
+[Note: copy-on-write keys]
+A caller that may have to take a write back (a speculative optimizer update:
+[Note: speculative updates] in engine/step/speculate.py) reserves fresh
+extents for the key first (:meth:`SwapStore.reserve`: False when the store
+has no room for a second copy) and writes with ``keep_old=True``: the new
+bytes go to the fresh extents and the key's old entry (extents and
+checksums) is kept aside, untouched. :meth:`SwapStore.commit` then frees the
+old extents; :meth:`SwapStore.rollback` frees the new ones and makes the old
+entry the key's again (a key new in the write is removed), so a later read
+returns the old bytes, checked against their old sums.
 """
 
 from __future__ import annotations
@@ -108,6 +119,10 @@ class SwapStore:
         self.grow_bytes = round_up(max(grow_bytes, ALIGN))
         self._lock = threading.RLock()
         self._index: Dict[Hashable, SwapEntry] = {}
+        # See [Note: copy-on-write keys]: fresh extents reserved (key -> (bytes, pieces)), old entries kept
+        # aside (key -> entry, or None where the key was new).
+        self._spare: Dict[Hashable, tuple] = {}
+        self._kept: Dict[Hashable, Optional[SwapEntry]] = {}
         self._closed = False
         self._paths: List[SwapPath] = []
         self._layout = SwapLayout(self._paths, block_size, self.stripe_bytes, capacity_bytes, self.grow_bytes)
@@ -199,7 +214,7 @@ class SwapStore:
         it keeps no checksums or zlib's CRC-32 (no native library)."""
         return chunk_bytes(self.block_size) if self.checksum_name == "crc32c" else None
 
-    def write(self, key: Hashable, tensor: torch.Tensor, crcs=None) -> IOHandle:
+    def write(self, key: Hashable, tensor: torch.Tensor, crcs=None, keep_old: bool = False) -> IOHandle:
         """Start writing ``tensor``'s bytes under ``key``; returns a handle to wait on.
 
         ``tensor`` is a CPU tensor; it must not be modified until the handle's
@@ -231,7 +246,7 @@ class SwapStore:
             crcs = None
         self._settle(key)
         with self._lock:
-            pieces = self._layout.replace(self._index.pop(key, None), key, n)
+            pieces = self._pieces_for(key, n, keep_old)
             entry = SwapEntry(key, n, src.dtype, tuple(src.shape), pieces)
             self._index[key] = entry
         handle = IOHandle(self, key, "write", n)
@@ -241,6 +256,69 @@ class SwapStore:
         entry.pending.append(handle)
         self._transfers.submit(handle, WRITE, entry, src.data_ptr(), arrays, crcs)
         return handle
+
+    def _pieces_for(self, key: Hashable, n: int, keep_old: bool) -> list:
+        """Extents for a write of ``n`` bytes under ``key`` (with the lock)."""
+        old = self._index.pop(key, None)
+        if not keep_old:
+            return self._layout.replace(old, key, n)
+        spare = self._spare.pop(key, None)
+        if spare is not None and spare[0] != n:
+            self._layout.free_pieces(spare[1])
+            spare = None
+        pieces = spare[1] if spare is not None else self._layout.place(key, n)
+        if key in self._kept:  # written again in one window: the copy written before goes
+            if old is not None:
+                self._layout.free_pieces(old.pieces)
+        else:
+            self._kept[key] = old
+        return pieces
+
+    def reserve(self, key: Hashable, nbytes: int) -> bool:
+        """Sets aside fresh extents for the next ``write(key, ..., keep_old=True)``
+        of ``nbytes`` bytes; False (nothing reserved) when the store has no
+        room for them. See [Note: copy-on-write keys]."""
+        self._check_open()
+        with self._lock:
+            if key in self._spare:
+                return True
+            try:
+                self._spare[key] = (nbytes, self._layout.place(key, nbytes))
+            except SwapFullError:
+                return False
+            return True
+
+    def unreserve(self, key: Hashable) -> None:
+        """Gives back extents :meth:`reserve` set aside and no write used."""
+        with self._lock:
+            spare = self._spare.pop(key, None)
+            if spare is not None:
+                self._layout.free_pieces(spare[1])
+
+    def commit(self, key: Hashable) -> None:
+        """The last ``keep_old`` write of ``key`` stands: its old extents are
+        freed (no transfer uses them: the write waited for their reads)."""
+        self.unreserve(key)
+        with self._lock:
+            if key in self._kept:
+                old = self._kept.pop(key)
+                if old is not None:
+                    self._layout.free_pieces(old.pieces)
+
+    def rollback(self, key: Hashable) -> None:
+        """Takes back the ``keep_old`` writes of ``key``: once they ended,
+        the key's entry is the one they replaced again (or the key is gone,
+        if they made it); their extents are freed."""
+        self.unreserve(key)
+        self._settle(key)
+        with self._lock:
+            if key not in self._kept:
+                return
+            old, new = self._kept.pop(key), self._index.pop(key, None)
+            if new is not None:
+                self._layout.free_pieces(new.pieces)
+            if old is not None:
+                self._index[key] = old
 
     def _write_done(self, entry: SwapEntry, handle: IOHandle, arrays: list, error) -> None:
         """A write ended: its pieces keep their sums (``arrays``), or, if it
@@ -403,6 +481,8 @@ class SwapStore:
         finally:
             self._paths = []
             self._index.clear()
+            self._spare.clear()
+            self._kept.clear()
             try:
                 if self._engine is not None:
                     self._engine.close()
