@@ -4,8 +4,8 @@ reproducible and a resumed run bit-exact.
 
 The native kernel (``inf_adam_step_bf16p``) does the step; this module holds
 the rounding in torch ops (the pure-torch fallback) and the names. The
-generator is described in [Note: stochastic rounding of the bf16 master] in
-native/src/adam_bf16p.inc; :func:`stochastic_round` gives its bytes exactly.
+generator is described in the native note "stochastic rounding of the bf16
+master" in native/src/adam_bf16p.inc; :func:`stochastic_round` gives its bytes exactly.
 """
 
 from __future__ import annotations
