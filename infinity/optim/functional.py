@@ -445,13 +445,13 @@ def _master_step(params, grads, exp_avgs, exp_avg_sqs, scales, gdtype, step, lr,
     bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
     if native.available():
         q8 = exp_avgs[0].dtype == torch.uint8
-        ptrs = [t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts]
+        ptrs = [t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts] + [0] * n  # no outs
         for s in scales:
             ptrs += [t.data_ptr() for t in s] if q8 else [0] * n
         hp = native.AdamHParams(lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, int(bool(adamw_mode)),
                                 num_threads or native.default_num_threads())
         rc = native.lib().inf_adam_step_bf16p(
-            native.selected_isa(), n, native.carray(ctypes.c_int64, 6 * n)(*ptrs),
+            native.selected_isa(), n, native.carray(ctypes.c_int64, 7 * n)(*ptrs),
             native.carray(ctypes.c_int64, n)(*[t.numel() for t in params]),
             native.carray(ctypes.c_int64, n)(*offsets), native.carray(ctypes.c_uint64, n)(*streams),
             _GRAD_DT[gdtype], _MOMENT_DT[exp_avgs[0].dtype], ctypes.byref(hp), seed, step)

@@ -120,10 +120,11 @@ INF_API int32_t inf_adam_step_moments(int32_t isa, int64_t n_tensors, const int6
  * bits hashed from (seed, streams[i], step, the element's index in its
  * tensor) ([Note: stochastic rounding of the bf16 master] in
  * native/src/adam_bf16p.inc): the bytes do not depend on ISA, threads or
- * how tensors are split. ptrs holds 6*n_tensors addresses:
- *   params[n] bf16, grads[n] of grad_dtype, exp_avg[n], exp_avg_sq[n] of
- *   moment_dtype (F32, BF16 or I8), exp_avg_scale[n], exp_avg_sq_scale[n]
- *   (I8 only, as inf_adam_step_moments; ignored otherwise)
+ * how tensors are split. ptrs holds 7*n_tensors addresses, as for
+ * inf_adam_step_moments: params[n] bf16, grads[n] of grad_dtype, exp_avg[n],
+ * exp_avg_sq[n] of moment_dtype (F32, BF16 or I8), outs[n] all 0 (the master
+ * is the compute copy), exp_avg_scale[n], exp_avg_sq_scale[n] (I8 only;
+ * ignored otherwise).
  * offsets[n]: index of each buffer's element 0 in its whole tensor (a shard
  * passes its start; a multiple of INF_QBLOCK for I8); NULL: all 0.
  * streams[n]: each tensor's id, mixed into its random bits; NULL: all 0.

@@ -9,6 +9,7 @@
 #include "infinity_native.h"
 #include "isa.h"
 #include "thread_pool.h"
+#include "thread_split.h"
 
 using namespace infinity_native;
 
@@ -57,27 +58,13 @@ struct Bf16pJob {
 
 void run_bf16p_chunk(void* raw, int tid) {
   const Bf16pJob& j = *static_cast<const Bf16pJob*>(raw);
-  const int64_t n = j.n_tensors, total = j.prefix[n];
-  auto bound = [&](int t) {
-    const int64_t b = total * t / j.nthreads;
-    return t == j.nthreads ? total : b - b % j.align;
-  };
-  const int64_t lo = bound(tid), hi = bound(tid + 1);
-  for (int64_t t = 0; t < n && j.prefix[t] < hi; ++t) {
-    if (j.prefix[t + 1] <= lo) continue;
-    const int64_t s = (lo > j.prefix[t] ? lo : j.prefix[t]) - j.prefix[t];
-    const int64_t e = (hi < j.prefix[t + 1] ? hi : j.prefix[t + 1]) - j.prefix[t];
-    const int64_t first = s * j.unit, count = (e * j.unit < j.numels[t] ? e * j.unit : j.numels[t]) - first;
-    if (count <= 0) continue;
-    uint16_t* p = reinterpret_cast<uint16_t*>(j.ptrs[t]) + first;
-    const char* g = reinterpret_cast<const char*>(j.ptrs[n + t]) + first * j.gsize;
-    char* m = reinterpret_cast<char*>(j.ptrs[2 * n + t]) + first * j.msize;
-    char* v = reinterpret_cast<char*>(j.ptrs[3 * n + t]) + first * j.msize;
-    float* ms = j.mdt == INF_DT_I8 ? reinterpret_cast<float*>(j.ptrs[4 * n + t]) + s : nullptr;
-    float* vs = j.mdt == INF_DT_I8 ? reinterpret_cast<float*>(j.ptrs[5 * n + t]) + s : nullptr;
+  const int64_t n = j.n_tensors;
+  for_thread_share(j.prefix, j.numels, n, j.unit, j.align, j.nthreads, tid,
+                   [&](int64_t t, int64_t s, int64_t first, int64_t count) {
+    const TensorSlice b = slice_at(j.ptrs, n, t, first, s, 2, j.gsize, j.msize, 0, j.mdt == INF_DT_I8);
     const uint64_t index0 = static_cast<uint64_t>(j.offsets ? j.offsets[t] : 0) + static_cast<uint64_t>(first);
-    j.fn(p, g, m, v, ms, vs, count, j.gdt, j.mdt, j.c, j.keys[t], index0);
-  }
+    j.fn(reinterpret_cast<uint16_t*>(b.p), b.g, b.m, b.v, b.ms, b.vs, count, j.gdt, j.mdt, j.c, j.keys[t], index0);
+  });
 }
 
 int dt_bytes(int32_t dt) {
@@ -89,9 +76,10 @@ bool tensor_ok(const int64_t* ptrs, int64_t n, int64_t i, int64_t numel, int64_t
   if (numel < 0 || offset < 0) return false;
   if (q8 && offset % INF_QBLOCK != 0) return false;
   if (numel == 0) return true;
-  for (int k = 0; k < (q8 ? 6 : 4); ++k)
+  for (int k = 0; k < 4; ++k)
     if (ptrs[k * n + i] == 0) return false;
-  return true;
+  if (ptrs[4 * n + i] != 0) return false;  // no copy-out: the master is the compute copy
+  return !q8 || (ptrs[5 * n + i] != 0 && ptrs[6 * n + i] != 0);
 }
 
 }  // namespace
