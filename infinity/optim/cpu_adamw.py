@@ -7,14 +7,14 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from ..system import native
-from . import moments
+from . import master, moments
 from .functional import adamw_step_, group_hyper
 
 __all__ = ["CPUAdamW"]
 
 
 class CPUAdamW(torch.optim.Optimizer):
-    """AdamW (or Adam with L2 weight decay) for fp32 CPU parameters.
+    """AdamW (or Adam with L2 weight decay) for fp32 (or bf16-master) CPU parameters.
 
     The update runs in the native SIMD kernel (AVX-512, AVX2, NEON or scalar,
     chosen at run time), multi-threaded, in one pass over memory per param
@@ -35,6 +35,14 @@ class CPUAdamW(torch.optim.Optimizer):
             (default; torch's, 8 bytes a parameter), ``"bf16"`` (4 bytes,
             rounded to nearest even) or ``"int8"`` (block-scaled 8-bit codes,
             ~2.03 bytes); see :mod:`infinity.optim.moments`.
+        master_dtype: ``"fp32"`` (default: fp32 parameters are the master) or
+            ``"bf16"``: the parameters are bf16 and are the master themselves
+            (no fp32 copy anywhere), each update computed in fp32 and stored by
+            stochastic rounding from a counter-based hash of (``seed``, the
+            parameter's position in the groups, step, element index): see
+            :mod:`infinity.optim.master`. Gradients bf16 or fp32.
+        seed: the run's rounding seed (bf16 master only; int in [0, 2**64)),
+            kept in each param group, so a state dict resumes bit-exactly.
 
     State per parameter uses torch.optim.AdamW's keys (``step``,
     ``exp_avg``, ``exp_avg_sq``; int8 adds ``exp_avg_scale`` and
@@ -56,8 +64,12 @@ class CPUAdamW(torch.optim.Optimizer):
         adamw_mode: bool = True,
         num_threads: Optional[int] = None,
         moment_dtype: str = "fp32",
+        master_dtype: str = "fp32",
+        seed: int = 0,
     ) -> None:
         self.moment_dtype = moments.check_moment_dtype(moment_dtype, "CPUAdamW moment_dtype")
+        self.master_dtype = master.check_master_dtype(master_dtype, "CPUAdamW master_dtype")
+        master.check_seed(seed, "CPUAdamW seed")
         if isinstance(lr, torch.Tensor):
             lr = float(lr)
         group_hyper(dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), "CPUAdamW")
@@ -69,19 +81,22 @@ class CPUAdamW(torch.optim.Optimizer):
                         # decoupled_weight_decay are honoured, the others refused when on.
                         amsgrad=False, maximize=False, foreach=None, capturable=False,
                         differentiable=False, fused=None, decoupled_weight_decay=bool(adamw_mode))
+        if self.master_dtype == "bf16":
+            defaults["seed"] = seed
         super().__init__(params, defaults)
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 self._check_param(p, gi, pi)
         native.available()  # warn once, now, if the fallback will run
 
-    @staticmethod
-    def _check_param(p: torch.Tensor, gi: int, pi: int) -> None:
+    def _check_param(self, p: torch.Tensor, gi: int, pi: int) -> None:
         where = f"param_groups[{gi}]['params'][{pi}]"
         if p.device.type != "cpu":
             raise TypeError(f"CPUAdamW: {where} is on {p.device}; it updates CPU parameters only")
-        if p.dtype != torch.float32:
-            raise TypeError(f"CPUAdamW: {where} has dtype {p.dtype}; the master copy must be float32")
+        want = torch.bfloat16 if getattr(self, "master_dtype", "fp32") == "bf16" else torch.float32
+        if p.dtype != want:
+            raise TypeError(f"CPUAdamW: {where} has dtype {p.dtype}; with master_dtype="
+                            f"{getattr(self, 'master_dtype', 'fp32')!r} the parameters must be {want}")
         if p.is_sparse:
             raise TypeError(f"CPUAdamW: {where} is sparse; dense parameters only")
         if not p.is_contiguous():
@@ -96,6 +111,8 @@ class CPUAdamW(torch.optim.Optimizer):
             group.setdefault("adamw_mode", self.defaults.get("adamw_mode", True) if dec is None else bool(dec))
             group.setdefault("decoupled_weight_decay", group["adamw_mode"])
             group.setdefault("num_threads", self.defaults.get("num_threads"))
+            if "seed" in self.defaults:
+                group.setdefault("seed", self.defaults["seed"])
 
     def add_param_group(self, param_group: dict) -> None:
         # A group naming one of the two names of the decay mode sets both (not the default for the other).
@@ -116,42 +133,51 @@ class CPUAdamW(torch.optim.Optimizer):
                 loss = closure()
         # Every group is checked before any parameter changes.
         hypers = [group_hyper(g, f"CPUAdamW param_groups[{gi}]") for gi, g in enumerate(self.param_groups)]
+        bf16 = self.master_dtype == "bf16"
+        q8 = self.moment_dtype == "int8"
+        base = 0  # a parameter's stream: its position over all groups (stable across a resume)
         for gi, (group, h) in enumerate(zip(self.param_groups, hypers)):
-            # Tensors that stepped equally often share bias corrections: one
-            # native call per distinct step count (normally exactly one).
-            buckets: dict = {}
-            for pi, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise TypeError(f"CPUAdamW: param_groups[{gi}]['params'][{pi}] has a sparse gradient; "
-                                    "sparse gradients are not supported")
-                if g.device.type != "cpu" or g.dtype != torch.float32:
-                    raise TypeError(f"CPUAdamW: param_groups[{gi}]['params'][{pi}] has a gradient of "
-                                    f"{g.dtype} on {g.device}; expected float32 on cpu")
-                if not g.is_contiguous():
-                    g = g.contiguous()
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    zero = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state.update(moments.encode(zero, zero, self.moment_dtype))
-                self._own_moments(p, state)
-                step_t = state["step"]
-                step_t += 1
-                step = int(step_t.item())
-                bucket = buckets.setdefault(step, ([], [], [], [], [], []))
-                for k, t in enumerate((p, g, state["exp_avg"], state["exp_avg_sq"],
-                                       state.get("exp_avg_scale"), state.get("exp_avg_sq_scale"))):
-                    bucket[k].append(t)
-            q8 = self.moment_dtype == "int8"
-            for step, (ps, gs, ms, vs, mss, vss) in buckets.items():
+            for (step, _), (ps, gs, ms, vs, mss, vss, streams) in self._buckets(group, gi, base).items():
                 adamw_step_(ps, gs, ms, vs, step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                             weight_decay=h.weight_decay, adamw_mode=h.adamw_mode, grad_scale=h.sign,
                             num_threads=group.get("num_threads"), validate=False,
-                            exp_avg_scales=mss if q8 else None, exp_avg_sq_scales=vss if q8 else None)
+                            exp_avg_scales=mss if q8 else None, exp_avg_sq_scales=vss if q8 else None,
+                            seed=group["seed"] if bf16 else None, streams=streams if bf16 else None)
+            base += len(group["params"])
         return loss
+
+    def _buckets(self, group: dict, gi: int, base: int) -> dict:
+        """The group's parameters that have gradients, their step counts
+        advanced, bucketed by (step, grad dtype): tensors that stepped equally
+        often share bias corrections, so one native call per bucket (normally
+        exactly one). Each bucket: params, grads, moments, scales, streams."""
+        gdtypes = (torch.float32, torch.bfloat16) if self.master_dtype == "bf16" else (torch.float32,)
+        buckets: dict = {}
+        for pi, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise TypeError(f"CPUAdamW: param_groups[{gi}]['params'][{pi}] has a sparse gradient; "
+                                "sparse gradients are not supported")
+            if g.device.type != "cpu" or g.dtype not in gdtypes:
+                raise TypeError(f"CPUAdamW: param_groups[{gi}]['params'][{pi}] has a gradient of "
+                                f"{g.dtype} on {g.device}; expected {' or '.join(map(str, gdtypes))} on cpu")
+            if not g.is_contiguous():
+                g = g.contiguous()
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                zero = torch.zeros(p.shape)
+                state.update(moments.encode(zero, zero, self.moment_dtype))
+            self._own_moments(p, state)
+            step_t = state["step"]
+            step_t += 1
+            bucket = buckets.setdefault((int(step_t.item()), g.dtype), ([], [], [], [], [], [], []))
+            for k, t in enumerate((p, g, state["exp_avg"], state["exp_avg_sq"], state.get("exp_avg_scale"),
+                                   state.get("exp_avg_sq_scale"), base + pi)):
+                bucket[k].append(t)
+        return buckets
 
     def _own_moments(self, p: torch.Tensor, state: dict) -> None:
         """Makes ``state``'s moments what the kernel takes: ``moment_dtype``,
@@ -188,7 +214,21 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads torch's format (any float moments) and stores the moments as ``moment_dtype``."""
+        moments_kept = {}
+        if self.master_dtype == "bf16":
+            # torch casts floating state to the parameter's dtype on load, and
+            # these parameters are bf16: the moments are set here instead.
+            ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+            params = dict(zip(ids, [p for g in self.param_groups for p in g["params"]]))
+            state = {}
+            for pid, st in state_dict["state"].items():
+                state[pid] = {k: t for k, t in st.items() if k == "step" or not isinstance(t, torch.Tensor)}
+                moments_kept[params[pid]] = {k: t.detach().to("cpu", copy=True) for k, t in st.items()
+                                             if k != "step" and isinstance(t, torch.Tensor)}
+            state_dict = dict(state_dict, state=state)
         super().load_state_dict(state_dict)
+        for p, kept in moments_kept.items():
+            self.state[p].update(kept)
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)

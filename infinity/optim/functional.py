@@ -21,6 +21,7 @@ import torch
 
 from ..system import native
 from ..io.engine import chunk_count
+from . import master as _master
 from . import moments as _moments
 
 __all__ = ["group_hyper", "Hyper", "adamw_step_", "check_hyperparameters"]
@@ -134,11 +135,19 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
                 exp_avg_scales: Optional[Sequence[torch.Tensor]] = None,
                 exp_avg_sq_scales: Optional[Sequence[torch.Tensor]] = None,
                 saves: Optional[Tuple[Sequence[torch.Tensor], ...]] = None,
+                seed: Optional[int] = None, streams: Optional[Sequence[int]] = None,
+                offsets: Optional[Sequence[int]] = None,
                 ) -> Optional[List[Tuple[array.array, array.array, array.array]]]:
     """One AdamW (``adamw_mode=True``) or Adam-with-L2 step, in place.
 
     Args:
-        params: fp32 CPU master weights (updated in place).
+        params: CPU master weights (updated in place), one dtype for the
+            call: fp32, or bf16 (a bf16 master: the new value, computed in
+            fp32 from the widened parameter, is stored by stochastic rounding
+            with random bits hashed from ``seed``, ``streams[i]``, ``step``
+            and each element's index ``offsets[i] + j`` in its tensor: see
+            :mod:`infinity.optim.master`; needs ``seed``; no ``outs``, ``saves``
+            or ``sum_chunk_bytes``, since the parameter is the compute copy).
         grads: gradients, fp32, bf16 or fp16, one dtype for the whole call;
             multiplied by ``grad_scale`` first (pass ``1/loss_scale`` to unscale).
         exp_avgs, exp_avg_sqs: moments, updated in place, one dtype for the
@@ -171,6 +180,14 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
             values are the same bits as without ``saves``. Not with
             ``sum_chunk_bytes``.
 
+        seed: the run's rounding seed (int in [0, 2**64)), bf16 params only.
+        streams: per tensor, an id (int >= 0) mixed into its rounding bits, so
+            tensors stepped together do not round alike (default all 0).
+        offsets: per tensor, the index of its element 0 in the whole tensor
+            (a shard starting mid-tensor; a multiple of ``moments.QBLOCK`` with
+            8-bit moments); default all 0. Rounding never depends on how a
+            tensor is split or on threads or ISA.
+
     All tensors of index i must have the same number of elements. Many tensors
     cost one native call: the work is split across threads by element count.
     """
@@ -180,10 +197,20 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
     gdtype = grads[0].dtype
     odtype = outs[0].dtype if outs is not None else None
     mdtype = exp_avgs[0].dtype
+    pdtype = params[0].dtype if isinstance(params[0], torch.Tensor) else None
     if validate:
         _check_call(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, step, lr, beta1, beta2, eps,
-                    weight_decay)
+                    weight_decay, pdtype)
         _check_moments(params, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, mdtype)
+    if pdtype == torch.bfloat16:
+        _check_master_call(params, mdtype, outs, sum_chunk_bytes, saves, seed, streams, offsets)
+        _master_step(params, grads, exp_avgs, exp_avg_sqs, (exp_avg_scales, exp_avg_sq_scales), gdtype, step, lr,
+                     beta1, beta2, eps, weight_decay, grad_scale, adamw_mode, num_threads, seed,
+                     streams or [0] * len(params), offsets or [0] * len(params))
+        return None
+    if seed is not None or streams is not None or offsets is not None:
+        raise ValueError("adamw_step_: seed, streams and offsets are the rounding of a bf16 master; "
+                         f"these params are {pdtype}")
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
     if saves is not None:
@@ -244,7 +271,7 @@ def _check_saves(saves, params, outs, sum_chunk_bytes) -> None:
 
 
 def _check_call(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, step, lr, beta1, beta2, eps,
-                weight_decay) -> None:
+                weight_decay, pdtype=torch.float32) -> None:
     """The checks of ``validate=True``: hyper-parameters, step, then each
     buffer's type, layout, device, dtype (grads and outs: one dtype per call)
     and size."""
@@ -253,7 +280,8 @@ def _check_call(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, step
         raise ValueError(f"Invalid step: {step!r} (must be >= 1 after incrementing)")
     for i in range(len(params)):
         numel = params[i].numel() if isinstance(params[i], torch.Tensor) else -1
-        _check_buffer(params[i], "params", i, numel, (torch.float32,))
+        _check_buffer(params[i], "params", i, numel,
+                      (pdtype,) if pdtype in (torch.float32, torch.bfloat16) else (torch.float32, torch.bfloat16))
         _check_buffer(grads[i], "grads", i, numel, (gdtype,) if gdtype in _GRAD_DT else tuple(_GRAD_DT))
         _check_buffer(exp_avgs[i], "exp_avgs", i, numel, tuple(_MOMENT_DT))
         _check_buffer(exp_avg_sqs[i], "exp_avg_sqs", i, numel, tuple(_MOMENT_DT))
@@ -385,3 +413,58 @@ def _fallback_step(params, grads, exp_avgs, exp_avg_sqs, outs, lr, beta1, beta2,
         p.addcdiv_(exp_avgs[i], denom, value=-step_size)
         if outs is not None:
             outs[i].view(-1).copy_(p.view(-1))
+
+
+def _check_master_call(params, mdtype, outs, sum_chunk_bytes, saves, seed, streams, offsets) -> None:
+    """The options of a bf16-master call: a seed; per-tensor streams and
+    offsets (block-aligned for 8-bit moments); nothing that needs an fp32 master."""
+    for what, v in (("outs", outs), ("sum_chunk_bytes", sum_chunk_bytes), ("saves", saves)):
+        if v is not None:
+            raise ValueError(f"adamw_step_: {what} is not taken with bf16 params (a bf16 master is its own "
+                             "compute copy); pass fp32 params for it")
+    if seed is None:
+        raise ValueError("adamw_step_: bf16 params (a bf16 master) need seed=, the run's stochastic-rounding seed")
+    _master.check_seed(seed, "adamw_step_ seed")
+    for what, vals in (("streams", streams), ("offsets", offsets)):
+        if vals is None:
+            continue
+        if len(vals) != len(params):
+            raise ValueError(f"adamw_step_: {len(vals)} {what} for {len(params)} params")
+        for i, v in enumerate(vals):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2 ** (64 if what == "streams" else 63):
+                raise ValueError(f"adamw_step_: {what}[{i}]={v!r} must be an int >= 0")
+            if what == "offsets" and mdtype == torch.uint8 and v % _moments.QBLOCK:
+                raise ValueError(f"adamw_step_: offsets[{i}]={v} is not a multiple of {_moments.QBLOCK}: a shard "
+                                 "of 8-bit moments must start on a block edge of its tensor")
+
+
+def _master_step(params, grads, exp_avgs, exp_avg_sqs, scales, gdtype, step, lr, beta1, beta2, eps, weight_decay,
+                 grad_scale, adamw_mode, num_threads, seed, streams, offsets) -> None:
+    """One step over bf16 masters: inf_adam_step_bf16p, or the same in torch ops."""
+    n = len(params)
+    bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    if native.available():
+        q8 = exp_avgs[0].dtype == torch.uint8
+        ptrs = [t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts] + [0] * n  # no outs
+        for s in scales:
+            ptrs += [t.data_ptr() for t in s] if q8 else [0] * n
+        hp = native.AdamHParams(lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, int(bool(adamw_mode)),
+                                num_threads or native.default_num_threads())
+        rc = native.lib().inf_adam_step_bf16p(
+            native.selected_isa(), n, native.carray(ctypes.c_int64, 7 * n)(*ptrs),
+            native.carray(ctypes.c_int64, n)(*[t.numel() for t in params]),
+            native.carray(ctypes.c_int64, n)(*offsets), native.carray(ctypes.c_uint64, n)(*streams),
+            _GRAD_DT[gdtype], _MOMENT_DT[exp_avgs[0].dtype], ctypes.byref(hp), seed, step)
+        if rc != 0:
+            raise RuntimeError(f"inf_adam_step_bf16p failed with code {rc} "
+                               f"({'bad argument' if rc == native.E_INVAL else 'ISA unavailable'})")
+        return
+    for i, p in enumerate(params):
+        x = p.float()
+        args = ([x], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]])
+        if exp_avgs[i].dtype == torch.float32:
+            _fallback_step(*args, None, lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, adamw_mode)
+        else:
+            _fallback_lowbit_step(*args, tuple([s[i]] if s is not None else None for s in scales), None, lr, beta1,
+                                  beta2, eps, weight_decay, bc1, bc2, grad_scale, adamw_mode)
+        p.copy_(_master.stochastic_round(x, seed=seed, stream=streams[i], step=step, offset=offsets[i]))

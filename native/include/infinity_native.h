@@ -114,6 +114,26 @@ INF_API int32_t inf_adam_step_moments(int32_t isa, int64_t n_tensors, const int6
                                       const int64_t* numels, int32_t grad_dtype, int32_t out_dtype,
                                       int32_t moment_dtype, const inf_adam_hparams* hp);
 
+/* AdamW whose parameters are bf16 masters (no fp32 copy), updated in place:
+ * each new value is computed in fp32 exactly as inf_adam_step_moments would
+ * from the widened parameter, then stored by stochastic rounding with random
+ * bits hashed from (seed, streams[i], step, the element's index in its
+ * tensor) ([Note: stochastic rounding of the bf16 master] in
+ * native/src/adam_bf16p.inc): the bytes do not depend on ISA, threads or
+ * how tensors are split. ptrs holds 7*n_tensors addresses, as for
+ * inf_adam_step_moments: params[n] bf16, grads[n] of grad_dtype, exp_avg[n],
+ * exp_avg_sq[n] of moment_dtype (F32, BF16 or I8), outs[n] all 0 (the master
+ * is the compute copy), exp_avg_scale[n], exp_avg_sq_scale[n] (I8 only;
+ * ignored otherwise).
+ * offsets[n]: index of each buffer's element 0 in its whole tensor (a shard
+ * passes its start; a multiple of INF_QBLOCK for I8); NULL: all 0.
+ * streams[n]: each tensor's id, mixed into its random bits; NULL: all 0.
+ * step: the optimizer step (>= 1) of the rounding; seed: the run's. */
+INF_API int32_t inf_adam_step_bf16p(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* numels,
+                                    const int64_t* offsets, const uint64_t* streams, int32_t grad_dtype,
+                                    int32_t moment_dtype, const inf_adam_hparams* hp, uint64_t seed,
+                                    int64_t step);
+
 /* Memory-bandwidth probe with exactly the access pattern of inf_adam_step
  * (same loads, in-place stores and copy-out, same threading and ISA), but
  * trivial arithmetic. Its time gives the Adam roofline of this machine.

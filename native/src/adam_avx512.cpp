@@ -60,6 +60,8 @@ struct Vec {
   static inline I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static inline I iand(I a, I b) { return _mm512_and_si512(a, b); }
   static inline I ior(I a, I b) { return _mm512_or_si512(a, b); }
+  static inline I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static inline I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }  // low 32 bits
   template <int N> static inline I isrl(I a) { return _mm512_srli_epi32(a, N); }
   template <int N> static inline I isll(I a) { return _mm512_slli_epi32(a, N); }
   static inline V i2f(I a) { return _mm512_cvtepi32_ps(a); }
@@ -111,6 +113,7 @@ struct Vec {
 #include "adam_kernel.inc"
 #include "adam_bf16m.inc"
 #include "adam_q8.inc"
+#include "adam_bf16p.inc"
 }  // namespace
 
 namespace avx512 {
@@ -121,6 +124,10 @@ void adam_range(float* p, const void* g, float* m, float* v, void* out, int64_t 
 void lowbit_range(float* p, const void* g, void* m, void* v, float* ms, float* vs, void* out, int64_t n,
                   int32_t gdt, int32_t odt, int32_t mdt, const AdamConsts& c, bool probe) {
   lowbit_range_entry(p, g, m, v, ms, vs, out, n, gdt, odt, mdt, c, probe);
+}
+void bf16p_range(uint16_t* p, const void* g, void* m, void* v, float* ms, float* vs, int64_t n, int32_t gdt,
+                 int32_t mdt, const AdamConsts& c, uint64_t k_step, uint64_t index0) {
+  bf16p_range_entry(p, g, m, v, ms, vs, n, gdt, mdt, c, k_step, index0);
 }
 }  // namespace avx512
 }  // namespace infinity_native

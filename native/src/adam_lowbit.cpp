@@ -9,6 +9,7 @@
 #include "infinity_native.h"
 #include "isa.h"
 #include "thread_pool.h"
+#include "thread_split.h"
 
 using namespace infinity_native;
 
@@ -53,27 +54,12 @@ struct LowbitJob {
 
 void run_lowbit_chunk(void* raw, int tid) {
   const LowbitJob& j = *static_cast<const LowbitJob*>(raw);
-  const int64_t n = j.n_tensors, total = j.prefix[n];
-  auto bound = [&](int t) {
-    const int64_t b = total * t / j.nthreads;
-    return t == j.nthreads ? total : b - b % j.align;
-  };
-  const int64_t lo = bound(tid), hi = bound(tid + 1);
-  for (int64_t t = 0; t < n && j.prefix[t] < hi; ++t) {
-    if (j.prefix[t + 1] <= lo) continue;
-    const int64_t s = (lo > j.prefix[t] ? lo : j.prefix[t]) - j.prefix[t];
-    const int64_t e = (hi < j.prefix[t + 1] ? hi : j.prefix[t + 1]) - j.prefix[t];
-    const int64_t first = s * j.unit, count = (e * j.unit < j.numels[t] ? e * j.unit : j.numels[t]) - first;
-    if (count <= 0) continue;
-    float* p = reinterpret_cast<float*>(j.ptrs[t]) + first;
-    const char* g = reinterpret_cast<const char*>(j.ptrs[n + t]) + first * j.gsize;
-    char* m = reinterpret_cast<char*>(j.ptrs[2 * n + t]) + first * j.msize;
-    char* v = reinterpret_cast<char*>(j.ptrs[3 * n + t]) + first * j.msize;
-    char* o = j.osize ? reinterpret_cast<char*>(j.ptrs[4 * n + t]) + first * j.osize : nullptr;
-    float* ms = j.mdt == INF_DT_I8 ? reinterpret_cast<float*>(j.ptrs[5 * n + t]) + s : nullptr;
-    float* vs = j.mdt == INF_DT_I8 ? reinterpret_cast<float*>(j.ptrs[6 * n + t]) + s : nullptr;
-    j.fn(p, g, m, v, ms, vs, o, count, j.gdt, j.odt, j.mdt, j.c, j.probe);
-  }
+  const int64_t n = j.n_tensors;
+  for_thread_share(j.prefix, j.numels, n, j.unit, j.align, j.nthreads, tid,
+                   [&](int64_t t, int64_t s, int64_t first, int64_t count) {
+    const TensorSlice b = slice_at(j.ptrs, n, t, first, s, 4, j.gsize, j.msize, j.osize, j.mdt == INF_DT_I8);
+    j.fn(reinterpret_cast<float*>(b.p), b.g, b.m, b.v, b.ms, b.vs, b.o, count, j.gdt, j.odt, j.mdt, j.c, j.probe);
+  });
 }
 
 int32_t run_lowbit(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* numels, int32_t gdt,

@@ -12,6 +12,7 @@ using Vec = Lane1;
 #include "adam_kernel.inc"
 #include "adam_bf16m.inc"
 #include "adam_q8.inc"
+#include "adam_bf16p.inc"
 }  // namespace
 
 namespace scalar {
@@ -22,6 +23,10 @@ void adam_range(float* p, const void* g, float* m, float* v, void* out, int64_t 
 void lowbit_range(float* p, const void* g, void* m, void* v, float* ms, float* vs, void* out, int64_t n,
                   int32_t gdt, int32_t odt, int32_t mdt, const AdamConsts& c, bool probe) {
   lowbit_range_entry(p, g, m, v, ms, vs, out, n, gdt, odt, mdt, c, probe);
+}
+void bf16p_range(uint16_t* p, const void* g, void* m, void* v, float* ms, float* vs, int64_t n, int32_t gdt,
+                 int32_t mdt, const AdamConsts& c, uint64_t k_step, uint64_t index0) {
+  bf16p_range_entry(p, g, m, v, ms, vs, n, gdt, mdt, c, k_step, index0);
 }
 }  // namespace scalar
 }  // namespace infinity_native

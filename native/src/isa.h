@@ -62,4 +62,26 @@ namespace neon { void adam_range(float*, const void*, float*, float*, void*, int
 INF_LOWBIT_DECL }
 #endif
 
+// AdamW over a bf16 master p, updated in place by stochastic rounding
+// ([Note: stochastic rounding of the bf16 master] in adam_bf16p.inc), with
+// moments of mdt (F32, BF16, or I8 with scales ms, vs; [0, n) then starts at a
+// block boundary); k_step: the Note's K, index0: element 0's index in its tensor.
+using Bf16pRangeFn = void (*)(uint16_t* p, const void* g, void* m, void* v, float* ms, float* vs, int64_t n,
+                              int32_t grad_dtype, int32_t moment_dtype, const AdamConsts& c, uint64_t k_step,
+                              uint64_t index0);
+#define INF_BF16P_DECL void bf16p_range(uint16_t*, const void*, void*, void*, float*, float*, int64_t, int32_t, \
+                                        int32_t, const AdamConsts&, uint64_t, uint64_t);
+#if defined(INF_HAVE_SCALAR)
+namespace scalar { INF_BF16P_DECL }
+#endif
+#if defined(INF_HAVE_AVX2)
+namespace avx2 { INF_BF16P_DECL }
+#endif
+#if defined(INF_HAVE_AVX512)
+namespace avx512 { INF_BF16P_DECL }
+#endif
+#if defined(INF_HAVE_NEON)
+namespace neon { INF_BF16P_DECL }
+#endif
+
 }  // namespace infinity_native

@@ -20,6 +20,10 @@ hits every method alike:
   probe_m_bf16 / ours_m_bf16   ours_mixed with bf16 moments (20 B/param)
   probe_m_int8 / ours_m_int8   ours_mixed with block-scaled 8-bit moments
                   (16.06 B/param: codes + one fp32 scale per 256 per moment)
+  ours_p_bf16_m_bf16 / ours_p_bf16_m_int8   a bf16 master (the bf16 parameter
+                  itself, stochastic rounding; no copy-out) with bf16 moments
+                  (14 B/param moved, 6 B/param of state) or 8-bit ones (10.06
+                  B/param moved, 4.03 B/param of state), bf16 grads
   deepspeed       DeepSpeedCPUAdam, only when deepspeed is importable
   bnb_adamw8bit / torchao_adamw8bit   bitsandbytes' and torchao's AdamW8bit on
                   CPU tensors (fp32 grads; their own parameter copies), first
@@ -154,7 +158,9 @@ class Setup:
             self.ms[b:b + st["exp_avg_scale"].numel()] = st["exp_avg_scale"]
             self.vs[b:b + st["exp_avg_sq_scale"].numel()] = st["exp_avg_sq_scale"]
             self.mb[i:i + step], self.vb[i:i + step] = self.m[i:i + step], self.v[i:i + step]
-        for name in ("mb", "vb", "mq", "vq"):
+        self.pb = staggered(n, 10, torch.bfloat16)
+        self.pb.copy_(self.p)
+        for name in ("mb", "vb", "mq", "vq", "pb"):
             self.views[name] = chunks(getattr(self, name), size)
         self.views["ms"] = chunks(self.ms, moments.num_blocks(size))
         self.views["vs"] = chunks(self.vs, moments.num_blocks(size))
@@ -178,6 +184,16 @@ class Setup:
         m, s = ("mq", "vq") if q8 else ("mb", "vb")
         adamw_step_(v["p"], v["gb"], v[m], v[s], step=self.step, lr=1e-7, beta1=0.9, beta2=0.999, eps=1e-8,
                     weight_decay=0.01, outs=v["ob"], num_threads=self.threads, validate=False,
+                    exp_avg_scales=v["ms"] if q8 else None, exp_avg_sq_scales=v["vs"] if q8 else None)
+
+    def ours_master(self, q8: bool) -> None:
+        """A bf16 master (stochastic rounding), bf16 grads, bf16 or 8-bit moments."""
+        self.step += 1
+        v = self.views
+        m, s = ("mq", "vq") if q8 else ("mb", "vb")
+        adamw_step_(v["pb"], v["gb"], v[m], v[s], step=self.step, lr=1e-7, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.01, num_threads=self.threads, validate=False, seed=0,
+                    streams=list(range(len(v["pb"]))),
                     exp_avg_scales=v["ms"] if q8 else None, exp_avg_sq_scales=v["vs"] if q8 else None)
 
     def probe(self, gname: str, oname: str | None) -> None:
@@ -224,6 +240,8 @@ class Setup:
             "ours_m_bf16": lambda: self.ours_moments(False),
             "probe_m_int8": lambda: self.probe_moments(native.DT_I8),
             "ours_m_int8": lambda: self.ours_moments(True),
+            "ours_p_bf16_m_bf16": lambda: self.ours_master(False),
+            "ours_p_bf16_m_int8": lambda: self.ours_master(True),
         }
         if self.tforeach is not None:
             m["torch_foreach"] = self.tforeach.step
@@ -238,6 +256,7 @@ BYTES = {"probe_fp32": 28, "ours_fp32": 28, "ours_fp32_sums": 28, "torch_fused":
          "probe_mixed": 28, "ours_mixed": 28, "torch_fused+copy": 34, "probe_f32g_bf16o": 30, "ours_f32g_bf16o": 30,
          "probe_m_bf16": 20, "ours_m_bf16": 20, "probe_m_int8": 16 + 8 / moments.QBLOCK,
          "ours_m_int8": 16 + 8 / moments.QBLOCK,
+         "ours_p_bf16_m_bf16": 14, "ours_p_bf16_m_int8": 10 + 8 / moments.QBLOCK,
          # fp32 grads in, no copy-out; their block scales left out of the count
          "bnb_adamw8bit": 16, "torchao_adamw8bit": 16}
 
@@ -264,7 +283,7 @@ def bench(n: int, chunk: int | None, rounds: int, threads: int, foreach_rounds: 
             t0 = time.perf_counter()
             methods[k]()
             times[k].append(time.perf_counter() - t0)
-    for x in (s.p, s.m, s.v, s.ob):
+    for x in (s.p, s.m, s.v, s.ob, s.pb):
         assert torch.isfinite(x.float()).all(), "benchmark buffers went non-finite"
 
     def ratio(num, den):  # per-round ratio of den's time to num's time = num's speed / den's speed
@@ -290,12 +309,17 @@ def bench(n: int, chunk: int | None, rounds: int, threads: int, foreach_rounds: 
         "ours_fp32_sums/ours_fp32": ratio("ours_fp32_sums", "ours_fp32"),
         "ours_m_bf16/ours_mixed": ratio("ours_m_bf16", "ours_mixed"),
         "ours_m_int8/ours_mixed": ratio("ours_m_int8", "ours_mixed"),
+        "ours_p_bf16_m_bf16/ours_mixed": ratio("ours_p_bf16_m_bf16", "ours_mixed"),
+        "ours_p_bf16_m_int8/ours_mixed": ratio("ours_p_bf16_m_int8", "ours_mixed"),
+        "ours_p_bf16_m_int8/ours_m_int8": ratio("ours_p_bf16_m_int8", "ours_m_int8"),
         "ours_m_bf16/roofline": ratio("ours_m_bf16", "probe_m_bf16"),
         "ours_m_int8/roofline": ratio("ours_m_int8", "probe_m_int8"),
         # Bytes a parameter over the bandwidth probe_mixed measures (one roofline for every mode).
         "ours_mixed/bw_roofline": bw_fraction("ours_mixed"),
         "ours_m_bf16/bw_roofline": bw_fraction("ours_m_bf16"),
         "ours_m_int8/bw_roofline": bw_fraction("ours_m_int8"),
+        "ours_p_bf16_m_bf16/bw_roofline": bw_fraction("ours_p_bf16_m_bf16"),
+        "ours_p_bf16_m_int8/bw_roofline": bw_fraction("ours_p_bf16_m_int8"),
     }
     if "torch_foreach" in times:
         res["ratios"]["ours_fp32/torch_foreach"] = statistics.median(
