@@ -263,8 +263,10 @@ class StepSchedule:
         waited for), then checked back in with the kernel's checksums."""
         p = self.p
         p.fence.wait_unit(u)
+        # See [Note: state streamed in chunks] in owners/optstate.py.
+        stream = (lambda fn: p.optstate.stream(u, fn)) if u.place.chunked else None
         sums = self.updater.run(u, grad, written, p.host_cache.open_for_update(u, all(written)), scale, live=True,
-                                hyper=hyper)
+                                hyper=hyper, stream=stream)
         p.optstate.checkin(u, sums)
         # [Note: fp32 master aliasing]: the master's sums over the whole copy
         # go with its write-back on eviction ([Note: sums from the producer]).
