@@ -5,6 +5,7 @@ the host minimum counts chunk buffers instead of buffers of the largest unit."""
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import infinity
 from infinity.api import engine_of
@@ -13,6 +14,7 @@ from infinity.engine.plan import placement as pl
 from infinity.engine.plan.estimator import placed
 from infinity.engine.plan.limits import PIPELINE_BUFFERS
 from engine_utils import UnequalNet, batches
+import zero_worker
 
 CHUNK = 256 << 10  # the smallest chunk: 64 Ki fp32 elements
 # Units (elements, d=16: 33h + 16): 264016 (five chunks), 1336 (less than
@@ -89,8 +91,8 @@ def test_chunked_update_with_clipping_and_accumulation(tmp_path, overlap):
                       grad_accumulation_steps=2 if overlap == "backward" else 1)
 
 
-def test_chunked_state_resumes_from_a_checkpoint(tmp_path):
-    """The chunks' extents round-trip through a checkpoint (read_home / write_home)."""
+def test_chunked_state_round_trips_through_the_state_dict(tmp_path):
+    """The chunks' extents are read and rewritten whole (read_home / write_home)."""
     cfg = config(tmp_path, True, moment_dtype="int8")
     model, opt = infinity.initialize(make(), cfg, lr=LR, weight_decay=WD)
     for x, y in batches(2):
@@ -127,3 +129,22 @@ def test_host_budget_below_the_whole_unit_minimum_runs_chunked(tmp_path):
     tight = run(config(tmp_path, True, host_memory=budget, overlap="backward"))
     assert tight[2]["peak_bytes"]["host"] <= budget
     assert_same(tight, reference)
+
+
+ZERO_CASES = [dict(stage=s, steps=2, model="chunky", moment_dtype="int8", opt="nvme", state_chunk=chunk, **kw)
+              for s, kw in ((1, {}), (3, dict(params="nvme"))) for chunk in ("64MiB", CHUNK)]
+
+
+@pytest.mark.slow  # two processes
+def test_zero_shards_stream_in_chunks_at_world_2(tmp_path):
+    """ZeRO 1 and 3 on 2 gloo ranks with int8 moments on NVMe: each rank's
+    shard (132008 elements of the largest unit) streams in three chunks,
+    with the bytes of the whole-shard update."""
+    mp.spawn(zero_worker.run, args=(2, str(tmp_path / "rendezvous"), ZERO_CASES, str(tmp_path)), nprocs=2, join=True)
+    res = [torch.load(tmp_path / f"case{i}.pt") for i in range(len(ZERO_CASES))]
+    for whole, chunked in zip(res[0::2], res[1::2]):
+        assert max(whole["stats"]["state_chunks"]) == 1 and max(chunked["stats"]["state_chunks"]) == 3
+        assert all(torch.equal(whole["state"][k], chunked["state"][k]) for k in whole["state"])
+        for i, st in whole["optimizer"]["state"].items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[k], chunked["optimizer"]["state"][i][k]), (i, k)
