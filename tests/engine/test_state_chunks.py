@@ -11,7 +11,7 @@ import infinity
 from infinity.api import engine_of
 from infinity.engine.mechanism.tiers import BudgetError
 from infinity.engine.plan import placement as pl
-from infinity.engine.plan.estimator import placed
+from infinity.engine.plan.estimator import estimate_peaks, placed
 from infinity.engine.plan.limits import PIPELINE_BUFFERS
 from engine_utils import UnequalNet, batches
 import zero_worker
@@ -117,10 +117,11 @@ def host_minimum(cfg) -> int:
 def test_host_budget_below_the_whole_unit_minimum_runs_chunked(tmp_path):
     """A budget below the old minimum (nine fp32 buffers of the largest unit)
     is refused without chunks and runs with them, within its peak, with the
-    bytes of the whole-unit run."""
+    bytes of the whole-unit run; the estimator gives the chunked minimum."""
     largest = pl.round_pool(4 * 264016)
     whole_min, chunked_min = host_minimum(config(tmp_path, False)), host_minimum(config(tmp_path, True))
     assert whole_min - chunked_min == PIPELINE_BUFFERS * largest - (3 * largest + 6 * CHUNK) > 4 * largest
+    assert estimate_peaks(make(), config(tmp_path, True))["host"]["minimum"] == chunked_min  # infinity estimate's
     budget = chunked_min + CHUNK
     assert budget < whole_min
     with pytest.raises(BudgetError, match="host_memory"):
@@ -148,3 +149,13 @@ def test_zero_shards_stream_in_chunks_at_world_2(tmp_path):
         for i, st in whole["optimizer"]["state"].items():
             for k in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(st[k], chunked["optimizer"]["state"][i][k]), (i, k)
+
+
+def test_config_checks_state_chunk_bytes():
+    assert infinity.Config().state_chunk_bytes == 64 << 20
+    assert infinity.Config(state_chunk_bytes="1MiB").state_chunk_bytes == 1 << 20
+    for bad in (1000, 0, "300KiB"):
+        with pytest.raises(ValueError, match=r"Config.state_chunk_bytes=.*multiple of 262144"):
+            infinity.Config(state_chunk_bytes=bad)
+    with pytest.raises(ValueError, match=r"Config.state_chunk_bytes"):
+        infinity.Config(state_chunk_bytes="2GiB")
