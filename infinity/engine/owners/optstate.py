@@ -24,8 +24,10 @@ blocks with their scales; whole checksum chunks, so the kernel's sums of a
 chunk are its extent's), and every chunk runs with the same step and
 hyper-parameters. Such a unit is checked out without a read (an aliased
 master, the cached compute copy, is locked whole as before) and never read
-ahead. Left whole: the unit's gradients (one host buffer from its first
-gradient to its update).
+ahead. A fault mid-stream leaves the chunks before it updated on NVMe and
+the rest not: the engine fails, as after any fault ([Note: a run is
+consistent or it says so] in faults.py). Left whole: the unit's gradients
+(one host buffer from its first gradient to its update).
 """
 
 from __future__ import annotations

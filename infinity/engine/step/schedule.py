@@ -399,7 +399,7 @@ class BackwardSchedule(StepSchedule):
         optimizer they would fill the pool, and the update running then finds
         no room for its own buffers (it cannot wait for itself). So at most
         ``MAX_QUEUED`` updates are queued or running: the host budget's
-        pipeline (placement.PIPELINE_BUFFERS) holds that many."""
+        pipeline (limits.PIPELINE_GRAD_BUFFERS, PIPELINE_STATE_BUFFERS) holds that many."""
         while sum(not t.done() for t in self._running.values()) >= MAX_QUEUED:
             t0 = time.perf_counter()
             self.wait_one()
