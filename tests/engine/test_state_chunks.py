@@ -8,12 +8,11 @@ import torch
 import torch.multiprocessing as mp
 
 import infinity
-from infinity.api import engine_of
 from infinity.engine.mechanism.tiers import BudgetError
 from infinity.engine.plan import placement as pl
 from infinity.engine.plan.estimator import estimate_peaks, placed
 from infinity.engine.plan.limits import PIPELINE_BUFFERS
-from engine_utils import UnequalNet, batches
+from engine_utils import UnequalNet, batches, train_states
 import zero_worker
 
 CHUNK = 256 << 10  # the smallest chunk: 64 Ki fp32 elements
@@ -39,18 +38,8 @@ def config(tmp_path, chunked: bool, **kw) -> infinity.Config:
 
 def run(cfg, steps=3, accum=1):
     """(fp32 parameters, optimizer.state_dict(), stats, chunks a unit) after ``steps`` steps."""
-    model, opt = infinity.initialize(make(), cfg, lr=LR, weight_decay=WD)
-    chunks = [len(u.place.windows) for u in engine_of(model).units]
-    data = batches(steps * accum)
-    for i in range(steps):
-        for x, y in data[i * accum:(i + 1) * accum]:
-            (model(x, y) / accum).backward()
-        opt.step()
-        opt.zero_grad()
-    out = ({k: v.clone() for k, v in infinity.full_state_dict(model).items()}, opt.state_dict(),
-           infinity.stats(model), chunks)
-    infinity.close(model)
-    return out
+    chunks = [len(p.windows) for p in placed(make(), cfg)[2]]  # the engine's placement, as the estimator makes it
+    return train_states(make(), cfg, steps, accum, LR, WD) + (chunks,)
 
 
 def assert_same(a, b):
