@@ -165,6 +165,22 @@ def train_steps(model: torch.nn.Module, opt, n: int, seed: int = 0) -> List[floa
     return losses
 
 
+def train_states(model: torch.nn.Module, cfg: infinity.Config, steps: int = 3, accum: int = 1,
+                 lr: float = 1e-3, weight_decay: float = 0.1):
+    """Trains ``model`` through infinity ``steps`` steps of ``accum`` micro-batches
+    of ``batches``; (final fp32 parameters, optimizer.state_dict(), stats), closed after."""
+    model, opt = infinity.initialize(model, cfg, lr=lr, weight_decay=weight_decay)
+    data = batches(steps * accum)
+    for i in range(steps):
+        for x, y in data[i * accum:(i + 1) * accum]:
+            (model(x, y) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+    out = ({k: v.clone() for k, v in infinity.full_state_dict(model).items()}, opt.state_dict(), infinity.stats(model))
+    infinity.close(model)
+    return out
+
+
 def train_pair(make_model: Callable[[], torch.nn.Module], config: infinity.Config, steps: int = 20, *,
                lr: float = 1e-3, weight_decay: float = 0.1, accum: int = 1, clip: Optional[float] = None,
                scheduler: Optional[Callable] = None, forward: Optional[Callable] = None,

@@ -37,9 +37,12 @@ def _reduce_on(where):
 
 
 def model_of(case: dict):
-    """small_gpt, or with ``case["model"] == "unequal"`` a stack of MLP units of unequal sizes."""
+    """small_gpt, or with ``case["model"] == "unequal"`` a stack of MLP units
+    of unequal sizes (``"chunky"``: units of several state chunks, test_state_chunks.py)."""
     if case.get("model") == "unequal":
         return unequal_net()
+    if case.get("model") == "chunky":
+        return unequal_net(hidden=(8000, 40, 3000))
     return small_gpt(n_layer=case.get("layers", 8))
 
 
@@ -65,7 +68,7 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
     grank, gworld = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (rank, world)
     try:
         for ci, case in enumerate(cases):
-            dev = 64 << 20 if case.get("params") == "none" else 8 * unit_bytes(small_gpt())
+            dev = 64 << 20 if case.get("params") == "none" or case.get("model") == "chunky" else 8 * unit_bytes(small_gpt())
             cfg = infinity.Config(device="cpu", dtype="fp32", device_memory=dev,
                                   host_memory=case.get("host_units", 0) * unit_bytes(small_gpt()) or "256MiB",
                                   zero_stage=case["stage"],
@@ -73,7 +76,8 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                                   offload_optimizer=case.get("opt", "host"),
                                   swap_paths=[os.path.join(out_dir, f"swap{ci}")],
                                   max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1),
-                                  moment_dtype=case.get("moment_dtype", "fp32"))
+                                  moment_dtype=case.get("moment_dtype", "fp32"),
+                                  state_chunk_bytes=case.get("state_chunk", "64MiB"))
             with _emulated(case.get("emulate", False)) as movers, _reduce_on(case.get("reduce")):
                 model, opt = infinity.initialize(model_of(case), cfg, lr=1e-3, weight_decay=0.1, process_group=group)
             accum, steps = case.get("accum", 1), case["steps"]
@@ -100,6 +104,7 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
             eng = infinity.api.engine_of(model)
             s["unit_numels"] = [(u.place.trainable_numel, u.place.compute_numel) for u in eng.units]
             s["reduce_on_device"] = eng.modes.reduce_on_device
+            s["state_chunks"] = [len(u.place.windows) for u in eng.units]
             if grank == 0:
                 torch.save({"losses": losses, "norms": norms, "state": full, "stats": s, "optimizer": osd},
                            os.path.join(out_dir, f"case{ci}{suffix}.pt"))

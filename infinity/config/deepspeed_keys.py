@@ -37,7 +37,8 @@ ZERO_IGNORED = {
     "stage3_max_reuse_distance": "eviction follows the recorded trace (furthest next use)",
     "stage3_param_persistence_threshold": "parameters outside units (the root unit) stay resident",
     "stage3_gather_16bit_weights_on_model_save": "infinity.full_state_dict() gathers the weights",
-    "sub_group_size": "the optimizer steps one paging unit at a time",
+    "sub_group_size": "the optimizer steps one paging unit at a time, NVMe state in chunks of "
+                      "Config.state_chunk_bytes (set that instead)",
     "round_robin_gradients": "gradients move unit by unit", "elastic_checkpoint": "no elastic checkpoints",
     "load_from_fp32_weights": "checkpoints hold the fp32 master", "ignore_unused_parameters": "always",
     "memory_efficient_linear": "no effect in infinity", "zero_hpz_partition_size": "no hierarchical partitions",

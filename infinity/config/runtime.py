@@ -33,6 +33,10 @@ def format_bytes(n: float) -> str:
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _OFFLOAD = ("none", "host", "nvme")
 _OVERLAP = ("step", "backward", "delayed")
+# Config.state_chunk_bytes is a multiple of this: a chunk of fp32 state holds
+# whole int8 blocks (256 elements) and whole checksum chunks (at most 256 KiB,
+# io/engine.chunk_bytes), so a unit updated chunk by chunk gives the same bytes.
+STATE_CHUNK_ALIGN = 256 << 10
 _MOMENT_DTYPES = ("fp32", "bf16", "int8")  # infinity.optim.moments.MOMENT_DTYPES (config sits below optim)
 
 
@@ -65,6 +69,10 @@ class Config:
         bytes a parameter), ``"bf16"`` (4 bytes) or ``"int8"`` (block-scaled
         8-bit codes, 256 elements a block with an fp32 scale: ~2.03 bytes).
         Needs ``offload_optimizer`` ``"host"`` or ``"nvme"``.
+    state_chunk_bytes: with ``offload_optimizer="nvme"``, a unit whose
+        optimizer state (its shard) is larger than this many fp32 bytes is
+        read, updated and written back in chunks of this size (a multiple
+        of 256 KiB), so the host holds a few chunks, not the whole unit.
     swap_paths: directories for NVMe swap files (one or more; bandwidth
         adds up across devices). Default ``["./infinity-swap"]``.
     swap_block_size: bytes per I/O request to the swap files (multiple of 4 KiB).
@@ -107,6 +115,7 @@ class Config:
     offload_params: str = "host"
     offload_optimizer: str = "host"
     moment_dtype: str = "fp32"
+    state_chunk_bytes: Union[int, str] = "64MiB"
     swap_paths: Sequence[str] = field(default_factory=lambda: ["./infinity-swap"])
     swap_block_size: Union[int, str] = "8MiB"
     swap_queue_depth: int = 16
@@ -187,6 +196,10 @@ class Config:
         if self.swap_block_size < 4096 or self.swap_block_size % 4096:
             raise ValueError(f"Config.swap_block_size={self.swap_block_size}: must be a positive multiple of "
                              "4096 bytes, at most 1 GiB")
+        self.state_chunk_bytes = parse_bytes(self.state_chunk_bytes, "Config.state_chunk_bytes", V.MAX_BLOCK)
+        if self.state_chunk_bytes < STATE_CHUNK_ALIGN or self.state_chunk_bytes % STATE_CHUNK_ALIGN:
+            raise ValueError(f"Config.state_chunk_bytes={self.state_chunk_bytes}: must be a positive multiple of "
+                             f"{STATE_CHUNK_ALIGN} bytes (256 KiB: whole int8 blocks and checksum chunks), at most 1 GiB")
         self.swap_queue_depth = V.integer("Config.swap_queue_depth", self.swap_queue_depth, 1, V.MAX_QUEUE_DEPTH,
                                           "an int (requests in flight)")
         _choice("swap_backend", self.swap_backend, ("auto", "io_uring", "threads", "python"))

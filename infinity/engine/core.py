@@ -6,6 +6,7 @@ in engine/__init__.py.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import warnings
 import weakref
@@ -14,6 +15,7 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from ..io.errors import SwapFullError
 from ..system import sysinfo
 from ..config.runtime import Config
 from .adapt.device_budget import DeviceBudget
@@ -27,7 +29,7 @@ from .mechanism.nvme import NvmeTier
 from .owners.optstate import OptimizerState
 from .adapt.floor import check_memory_floor
 from .plan.limits import STAGING_PER_PATH
-from .plan.placement import grad_staging, host_need, modes_of, nvme_capacity, place_unit
+from .plan.placement import HostNeed, grad_staging, host_need, modes_of, nvme_capacity, place_unit
 from .adapt.pressure import PressureMonitor
 from .owners.residency import Residency
 from .owners.saved import SavedTensorRouter
@@ -100,10 +102,7 @@ class Engine:
         self.nvme = None
         if modes.nvme_used:
             # The global rank names the folder: ranks of different groups on one node never share it.
-            self.nvme = NvmeTier(cfg.swap_paths, nvme_capacity(need, len(self.units), len(cfg.swap_paths)),
-                                 self.stats, rank=self.sharding.global_rank, block_size=cfg.swap_block_size,
-                                 queue_depth=cfg.swap_queue_depth, backend=cfg.swap_backend,
-                                 checksum=cfg.swap_checksum)
+            self.nvme = _open_nvme(cfg, need, len(self.units), self.stats, self.sharding.global_rank)
             weakref.finalize(self, self.nvme.close)
         self.room = HostRoom(host_tier)  # See [Note: the host room]
         blocks, block = grad_staging([u.place for u in self.units], modes)
@@ -326,3 +325,22 @@ class Engine:
         # destruction and are released on gloo's thread during shutdown.
         self.residency.drop_in_flight()
         self.host_cache.forget_transfers()
+
+
+def _open_nvme(cfg: Config, need: HostNeed, units: int, stats: Stats, rank: int) -> NvmeTier:
+    """The NVMe tier, its swap files sized for ``need``. The room for a second
+    copy of the optimizer state (``need.cow_bytes``: speculative updates
+    write it while the old one stays, [Note: speculation with NVMe optimizer
+    state] in step/speculate.py) is taken only where the disk has it: without
+    it the run starts all the same and the units without room wait for
+    ``step()`` (said once, ``stats()["speculation"]["units_without_disk"]``)."""
+    def make(n: HostNeed) -> NvmeTier:
+        return NvmeTier(cfg.swap_paths, nvme_capacity(n, units, len(cfg.swap_paths)), stats, rank=rank,
+                        block_size=cfg.swap_block_size, queue_depth=cfg.swap_queue_depth, backend=cfg.swap_backend,
+                        checksum=cfg.swap_checksum)
+    if not need.cow_bytes:
+        return make(need)
+    try:
+        return make(need)
+    except SwapFullError:
+        return make(dataclasses.replace(need, cow_bytes=0))

@@ -250,7 +250,7 @@ class Values:
         if master is not None:
             lo, hi = p.sharding.shard(u.place.trainable_numel)
             if m.opt_nvme and not u.place.aliased:  # aliased: written below with the compute copy
-                p.nvme.write(swap_key(u.index, "master"), master[lo:hi]).wait()
+                p.optstate.write_home(u, "master", master[lo:hi])
             elif m.zero and not m.opt_nvme:
                 u.opt.master.copy_(master[lo:hi])
         if m.zero == 3:

@@ -94,7 +94,7 @@ def build(args) -> dict:
     cfg = infinity.Config(device=args.device, dtype="fp32", device_memory=budget, host_memory=host,
                           offload_params=args.params or args.offload, offload_optimizer=args.offload, overlap=args.overlap,
                           prefetch_depth=args.prefetch_depth, swap_paths=args.swap_dir or ["./infinity-swap"],
-                          swap_checksum=not args.no_checksum)
+                          swap_checksum=not args.no_checksum, state_chunk_bytes=args.state_chunk)
     cfg = at_least_minimum(model, cfg, f"device budget (--budget-frac {args.budget_frac})")
     budget = cfg.device_memory
     model, opt = infinity.initialize(model, cfg, lr=1e-4, weight_decay=0.1)
@@ -382,6 +382,9 @@ def parse_args() -> argparse.Namespace:
                     help="with --offload nvme: host budget as a fraction of the model state (default 0.4)")
     ap.add_argument("--swap-dir", action="append", default=None,
                     help="swap folder for --offload nvme; repeat for several (default ./infinity-swap)")
+    ap.add_argument("--state-chunk", default="64MiB", metavar="BYTES",
+                    help="Config.state_chunk_bytes (nvme): a unit's optimizer state larger than this streams in "
+                         "chunks (default 64MiB)")
     ap.add_argument("--no-checksum", action="store_true", help="Config.swap_checksum=False (nvme)")
     ap.add_argument("--no-sweep", action="store_true",
                     help="skip the sweep of device budgets (it runs only with --offload host)")

@@ -16,7 +16,7 @@ GOOD = {
     "device": ["cpu", "auto", "cuda:1"], "dtype": ["bf16", "fp16", "fp32"], "device_memory": ["8GiB", 1 << 20, None],
     "host_memory": ["1.5GB", 10**9, None], "offload_params": ["none", "host", "nvme"],
     "offload_optimizer": ["none", "host", "nvme"], "moment_dtype": ["fp32", "bf16", "int8"], "swap_paths": [["/a"], ("/a", "/b")],
-    "swap_block_size": ["1MiB", 4096, 1 << 30], "swap_queue_depth": [1, 32, 1024],
+    "swap_block_size": ["1MiB", 4096, 1 << 30], "state_chunk_bytes": ["64MiB", 256 << 10, 1 << 30], "swap_queue_depth": [1, 32, 1024],
     "swap_backend": ["auto", "threads"], "swap_checksum": [True, False], "prefetch_depth": [0, 2, 1024],
     "prefetch_bytes": [None, "64MiB"], "max_grad_norm": [None, 1.0, 0.5], "overlap": ["step", "backward"],
     "grad_accumulation_steps": [1, 8], "zero_stage": [0, 1, 2, 3], "unit_classes": [None, ["Block"], "Block"],
@@ -33,6 +33,8 @@ def _valid(c: Config) -> None:
         assert v is None or (type(v) is int and 0 <= v <= 1 << 60), (name, v)
     assert type(c.swap_block_size) is int and 4096 <= c.swap_block_size <= 1 << 30 and c.swap_block_size % 4096 == 0
     assert type(c.swap_queue_depth) is int and 1 <= c.swap_queue_depth <= 1024
+    assert type(c.state_chunk_bytes) is int and c.state_chunk_bytes % (256 << 10) == 0
+    assert 256 << 10 <= c.state_chunk_bytes <= 1 << 30
     assert isinstance(c.swap_paths, list) and c.swap_paths and all(isinstance(p, str) and p for p in c.swap_paths)
     for name in ("prefetch_depth", "grad_accumulation_steps", "loss_scale_growth_interval", "zero_stage", "seed"):
         assert type(getattr(c, name)) is int, name

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import infinity
 from infinity.engine.plan.opt_kinds import QBLOCK
-from engine_utils import batches, small_gpt
+from engine_utils import batches, small_gpt, train_states
 import zero_worker
 
 LR, WD = 1e-3, 0.1
@@ -34,16 +34,7 @@ def config(tmp_path, md, **kw) -> infinity.Config:
 
 def run(cfg, steps=3, accum=1, model=None):
     """Trains through infinity; (final fp32 parameters, optimizer.state_dict(), stats)."""
-    model, opt = infinity.initialize(model or make(), cfg, lr=LR, weight_decay=WD)
-    data = batches(steps * accum)
-    for i in range(steps):
-        for x, y in data[i * accum:(i + 1) * accum]:
-            (model(x, y) / accum).backward()
-        opt.step()
-        opt.zero_grad()
-    out = ({k: v.clone() for k, v in infinity.full_state_dict(model).items()}, opt.state_dict(), infinity.stats(model))
-    infinity.close(model)
-    return out
+    return train_states(model or make(), cfg, steps, accum, LR, WD)
 
 
 def assert_same(a, b):

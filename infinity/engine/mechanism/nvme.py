@@ -42,9 +42,12 @@ from ..plan.limits import STAGING_PER_PATH  # See [Note: limits that must agree]
 __all__ = ["NvmeTier", "RetryingHandle", "key"]
 
 
-def key(unit_index: int, kind: str) -> tuple:
-    """Swap key of one unit's buffer: kind is "compute", "master", "exp_avg", "exp_avg_sq" or "grad"."""
-    return (unit_index, kind)
+def key(unit_index: int, kind: str, chunk: Optional[int] = None) -> tuple:
+    """Swap key of one unit's buffer: kind is "compute", "master", "exp_avg",
+    "exp_avg_sq" (and int8 scales) or "grad"; ``chunk``: the index of one
+    chunk of a unit's optimizer state streamed in chunks ([Note: state
+    streamed in chunks] in owners/optstate.py), each its own extent."""
+    return (unit_index, kind) if chunk is None else (unit_index, kind, chunk)
 
 
 class NvmeTier:

@@ -1,11 +1,33 @@
 """The fp32 master and Adam moments of every unit: resident in memory (host
 or device) for good, or homed on NVMe and checked out to host buffers for
 the unit being updated, read ahead while another is, checked in (written
-back with the update's checksums) after.
+back with the update's checksums) after; a unit larger than a chunk is
+streamed through the host chunk by chunk.
 
 Owns ``unit.opt`` (an :class:`OptRecord`); nothing else writes it. See
 [Note: NVMe homes and the host cache] in nvme.py and [Note: optimizer-state
 states] in state.py.
+
+[Note: state streamed in chunks]
+A unit whose NVMe state (this rank's shard) is larger than
+``Config.state_chunk_bytes`` of fp32 (``UnitPlacement.chunked``) keeps each
+kind in the swap files as one extent per chunk (``key(unit, kind, c)``,
+chunk c holding state elements ``UnitPlacement.windows[c]``). Its update
+(:meth:`OptimizerState.stream`) reads chunk c+1 while chunk c is updated
+while chunk c-1 is written back, each chunk in its own pool buffers; the
+host holds at most two chunk sets of master and moments besides the writes
+in flight, whatever the unit's size, and the host budget counts
+``PIPELINE_STATE_BUFFERS`` chunk buffers (limits.py) instead of buffers of
+the largest unit. The bytes are those of a whole-unit update: AdamW is
+elementwise, a chunk starts on a multiple of 64 Ki elements (whole int8
+blocks with their scales; whole checksum chunks, so the kernel's sums of a
+chunk are its extent's), and every chunk runs with the same step and
+hyper-parameters. Such a unit is checked out without a read (an aliased
+master, the cached compute copy, is locked whole as before) and never read
+ahead. A fault mid-stream leaves the chunks before it updated on NVMe and
+the rest not: the engine fails, as after any fault ([Note: a run is
+consistent or it says so] in faults.py). Left whole: the unit's gradients
+(one host buffer from its first gradient to its update).
 """
 
 from __future__ import annotations
@@ -86,7 +108,7 @@ class OptimizerState:
         moments start as zeros, read from nowhere until first written."""
         o = u.opt
         if master_shard is not None:
-            self.nvme.write(swap_key(u.index, "master"), master_shard).wait()
+            self.write_home(u, "master", master_shard)
         o.fresh = True
         o.state = transition(u.name, "optimizer state", o.state, OptState.HOME)
 
@@ -108,6 +130,22 @@ class OptimizerState:
             o.state = transition(u.name, "optimizer state", o.state, OptState.CHECKED_OUT)
             return handles
 
+    def pieces(self, u, kind: str) -> list:
+        """(swap key, first, end) of each extent holding ``kind`` of ``u``'s
+        NVMe state, in elements of the kind: one, or one per chunk
+        (See [Note: state streamed in chunks])."""
+        p = u.place
+        if not p.chunked:
+            return [(swap_key(u.index, kind), 0, kind_numel(kind, p.state_numel))]
+        return [(swap_key(u.index, kind, c), kind_numel(kind, c0), kind_numel(kind, c1))
+                for c, (c0, c1) in enumerate(p.windows)]
+
+    def write_home(self, u, kind: str, shard: torch.Tensor) -> None:
+        """Writes ``kind`` (this rank's shard, stored dtype) to its NVMe home and waits."""
+        handles = [self.nvme.write(k, shard[a:b].contiguous()) for k, a, b in self.pieces(u, kind)]
+        for h in handles:
+            h.wait()
+
     def _read(self, u) -> list:
         """Host buffers for ``u``'s state and the reads filling them (with the host room's lock)."""
         o, tn = u.opt, u.place.state_numel
@@ -119,6 +157,8 @@ class OptimizerState:
                 handles.append(read)
             o.master = comp[:tn]
             kinds = kinds[1:]
+        if u.place.chunked:
+            return handles  # read chunk by chunk in stream()
         for kind in kinds:
             fresh = kind != "master" and o.fresh
             t, buf = self.room.acquire(kind_numel(kind, tn), kind_dtype(kind, self.moment_dtype), zero=fresh,
@@ -146,6 +186,56 @@ class OptimizerState:
         self._forget(u)
         o.fresh = False
 
+    def stream(self, u, update, keep_old: bool = False) -> None:
+        """Runs ``update(window)`` (returning the kernel's checksums, kind ->
+        sums, or None) once per chunk of ``u``'s checked-out state, with
+        ``u.opt``'s buffers the chunk's: reads chunk c+1 meanwhile and writes
+        chunk c back after (``keep_old``: copy-on-write, as :meth:`checkin`).
+        See [Note: state streamed in chunks]."""
+        o, wins = u.opt, u.place.windows
+        kinds = self._home_kinds(u)
+        whole_master = o.master  # aliased: the cached compute copy, locked at checkout
+        cur, nxt = None, self._read_chunk(u, kinds, 0)
+        try:
+            for c, (c0, c1) in enumerate(wins):
+                cur, nxt = nxt, None
+                for h in cur[1]:
+                    h.wait()
+                if c + 1 < len(wins):
+                    nxt = self._read_chunk(u, kinds, c + 1)
+                for kind, t in zip(kinds, cur[0]):
+                    setattr(o, kind, t)
+                if u.place.aliased:
+                    o.master = whole_master[c0:c1]
+                sums = update((c0, c1)) or {}
+                for kind, t, buf in zip(kinds, cur[0], cur[2]):
+                    self.room.defer_release(self.nvme.write(swap_key(u.index, kind, c), t, sums.get(kind), keep_old),
+                                           buf)
+                cur = None
+        finally:
+            for piece in (cur, nxt):  # after a fault: the reads settle, the buffers go back
+                if piece is not None:
+                    _settle(piece[1])
+                    for buf in piece[2]:
+                        self.room.release(buf)
+            for kind in kinds:
+                setattr(o, kind, None)
+            o.master = whole_master
+
+    def _read_chunk(self, u, kinds, c: int) -> tuple:
+        """(tensors, read handles, pool handles) of chunk ``c`` of ``u``'s ``kinds``."""
+        c0, c1 = u.place.windows[c]
+        ts, handles, bufs = [], [], []
+        for kind in kinds:
+            fresh = kind != "master" and u.opt.fresh
+            t, buf = self.room.acquire(kind_numel(kind, c1) - kind_numel(kind, c0),
+                                       kind_dtype(kind, self.moment_dtype), zero=fresh, protect=u)
+            ts.append(t)
+            bufs.append(buf)
+            if not fresh:
+                handles.append(self.nvme.read(swap_key(u.index, kind, c), t))
+        return ts, handles, bufs
+
     # -- copy-on-write (speculative updates) ---------------------------------------------------
 
     def _home_kinds(self, u) -> tuple:
@@ -153,38 +243,40 @@ class OptimizerState:
         return self.kinds[1:] if u.place.aliased else self.kinds
 
     def reserve_copy(self, u) -> bool:
-        """Fresh swap extents for a speculative check-in of ``u``'s NVMe state
-        (see [Note: copy-on-write keys] in io/swap/store.py); False, nothing
-        reserved, when the swap files cannot hold a second copy now."""
+        """Fresh swap extents for a speculative check-in of ``u``'s NVMe state,
+        each chunk's too (see [Note: copy-on-write keys] in io/swap/store.py);
+        False, nothing reserved, when the swap files cannot hold a second copy now."""
         done = []
         for kind in self._home_kinds(u):
-            k = swap_key(u.index, kind)
-            if not self.nvme.reserve(k, nbytes(kind_numel(kind, u.place.state_numel),
-                                               kind_dtype(kind, self.moment_dtype))):
-                for d in done:
-                    self.nvme.unreserve(d)
-                return False
-            done.append(k)
+            for k, a, b in self.pieces(u, kind):
+                if not self.nvme.reserve(k, nbytes(b - a, kind_dtype(kind, self.moment_dtype))):
+                    for d in done:
+                        self.nvme.unreserve(d)
+                    return False
+                done.append(k)
         return True
 
     def release_copy(self, u) -> None:
         """Gives back the extents :meth:`reserve_copy` set aside and no check-in used."""
-        for kind in self._home_kinds(u):
-            self.nvme.unreserve(swap_key(u.index, kind))
+        for k in self._home_keys(u):
+            self.nvme.unreserve(k)
 
     def settle_copy(self, u, keep: bool, fresh: bool = False) -> None:
         """After a speculative check-in: ``keep``, the new state stands and the
         old extents are freed; else ``u``'s swap keys hold the state of before
         again (``fresh``: its moments were never written, zeros). Extents
         reserved and not written are given back either way."""
-        for kind in self._home_kinds(u):
-            k = swap_key(u.index, kind)
+        for k in self._home_keys(u):
             if keep:
                 self.nvme.commit(k)
             else:
                 self.nvme.rollback(k)
         if not keep:
             u.opt.fresh = fresh
+
+    def _home_keys(self, u) -> list:
+        """The swap keys of ``u``'s own NVMe state, one per kind and chunk."""
+        return [k for kind in self._home_kinds(u) for k, _, _ in self.pieces(u, kind)]
 
     def discard(self, u) -> None:
         """Gives back the buffers of state checked out or read ahead and not
@@ -221,8 +313,8 @@ class OptimizerState:
         update then finds the state read. ``evict_done``: make room by
         evicting cached compute copies this pass no longer uses (writing dirty
         ones back); else never waits. True if the reads started."""
-        if u.opt.state is not OptState.HOME or not u.place.trainable:
-            return False
+        if u.opt.state is not OptState.HOME or not u.place.trainable or u.place.chunked:
+            return False  # a chunked unit's state is read by its update, chunk by chunk
         need = self._read_ahead_bytes(u)
         freeing = 0
         with self.room.lock:
@@ -308,7 +400,8 @@ class OptimizerState:
         if kind != "master" and u.opt.fresh:
             return torch.zeros(numel, dtype=dtype)
         out = torch.empty(numel, dtype=dtype)
-        self.nvme.read(swap_key(u.index, kind), out).wait()
+        for h in [self.nvme.read(k, out[a:b]) for k, a, b in self.pieces(u, kind)]:
+            h.wait()
         return out
 
     def write_moments(self, u, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
@@ -347,7 +440,7 @@ class OptimizerState:
             if dst.data_ptr() != shard.data_ptr():  # else read into it in place (resident_view)
                 dst.copy_(shard)
         elif o.state is OptState.HOME:
-            self.nvme.write(swap_key(u.index, kind), shard.contiguous()).wait()
+            self.write_home(u, kind, shard)
         else:
             raise RuntimeError(f"internal: unit {u.name!r}: moments written while {o.state.value}")
 
@@ -368,8 +461,17 @@ class OptimizerState:
         out = {k: 0 for k in self.kinds}
         if self.nvme is not None:
             for kind in self.kinds:
-                out[kind] = self.nvme.bytes_of([swap_key(u.index, kind) for u in self.units])
+                out[kind] = self.nvme.bytes_of([k for u in self.units for k, _, _ in self.pieces(u, kind)])
         return out
+
+
+def _settle(handles) -> None:
+    """Waits for ``handles`` ignoring their errors (cleanup after a fault: the first one is what the user sees)."""
+    for h in handles:
+        try:
+            h.wait()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def to_fp32(kind: str, t: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:

@@ -7,7 +7,8 @@ the gradient owner, the NVMe tier). Defined apart they drifted; here one
 follows from another where it does, so changing one changes both sides.
 """
 
-__all__ = ["DEVICE_ALIGN", "POOL_ALIGN", "MAX_QUEUED", "BUFFERS_PER_UPDATE", "PIPELINE_BUFFERS", "MAX_REDUCING",
+__all__ = ["DEVICE_ALIGN", "POOL_ALIGN", "MAX_QUEUED", "BUFFERS_PER_UPDATE", "PIPELINE_BUFFERS", "PIPELINE_GRAD_BUFFERS",
+           "PIPELINE_STATE_BUFFERS", "STATE_KINDS", "MAX_REDUCING",
            "ZERO_REDUCING_UNITS", "STAGING_PER_PATH", "GRAD_BUCKET_BYTES", "GRAD_STAGING_BLOCKS", "GRAD_STAGING_BLOCK_BYTES", "RUNTIME_THREADS_CUDA", "optimizer_threads"]
 
 DEVICE_ALIGN = 512   # bytes; device arena ranges start here (tiers.DeviceTier), one per unit in the device need
@@ -16,10 +17,18 @@ POOL_ALIGN = 4096    # bytes; host buffers start on pages (O_DIRECT, pinning)
 # NVMe optimizer state during backward: at most MAX_QUEUED unit updates are
 # queued or running (schedule._bound_queue), each holding master, exp_avg,
 # exp_avg_sq and the gradient in fp32; plus the gradients of the unit whose
-# backward runs. The host budget sets aside PIPELINE_BUFFERS of the largest unit.
+# backward runs. The host budget sets aside PIPELINE_GRAD_BUFFERS gradient
+# buffers of the largest unit and PIPELINE_STATE_BUFFERS state buffers of at
+# most one chunk (Config.state_chunk_bytes; the largest unit's state if smaller):
+# a unit larger than a chunk is streamed through them ([Note: state streamed
+# in chunks] in owners/optstate.py), so with chunks no larger than the largest
+# unit, PIPELINE_BUFFERS of the largest unit as before.
 MAX_QUEUED = 2
 BUFFERS_PER_UPDATE = 4
-PIPELINE_BUFFERS = MAX_QUEUED * BUFFERS_PER_UPDATE + 1
+STATE_KINDS = BUFFERS_PER_UPDATE - 1  # master, exp_avg, exp_avg_sq
+PIPELINE_GRAD_BUFFERS = MAX_QUEUED + 1
+PIPELINE_STATE_BUFFERS = MAX_QUEUED * STATE_KINDS
+PIPELINE_BUFFERS = PIPELINE_GRAD_BUFFERS + PIPELINE_STATE_BUFFERS
 
 # ZeRO stages 2-3 free a unit's full gradients only after their reduction: at
 # most MAX_REDUCING units wait for it (grads.Gradients), besides the one whose

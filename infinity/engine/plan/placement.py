@@ -16,9 +16,12 @@ gradients). What is transient comes on top:
 - NVMe compute copies: a cache of at least ``prefetch_depth + 2`` copies of
   the largest unit (the prefetched ones, the one computing, one being
   written back) and the root's;
-- NVMe optimizer state: ``PIPELINE_BUFFERS`` fp32 buffers of the largest unit
-  (two units' master, moments and gradients in the optimizer's pipeline, and
-  the gradients of the unit whose backward runs) and one compute copy;
+- NVMe optimizer state: ``PIPELINE_GRAD_BUFFERS`` fp32 gradient buffers of
+  the largest unit (two units' in the optimizer's pipeline, and the unit's
+  whose backward runs), ``PIPELINE_STATE_BUFFERS`` fp32 state buffers of one
+  chunk (``Config.state_chunk_bytes``, or the largest unit's state if
+  smaller: two sets of master and moments, see [Note: state streamed in
+  chunks] in owners/optstate.py) and one compute copy;
 - ZeRO stages 2-3 reduced on the host ([Note: where gradients are
   reduced]): full gradients from a unit's first gradient to its reduction,
   ``ZERO_REDUCING_UNITS`` of them at the minimum (reduced on the device,
@@ -39,7 +42,7 @@ import torch
 
 from .opt_kinds import kind_dtype, kind_numel, state_bytes, state_kinds
 from .limits import (DEVICE_ALIGN, GRAD_STAGING_BLOCK_BYTES, GRAD_STAGING_BLOCKS, PIPELINE_BUFFERS,  # [Note: limits
-                     POOL_ALIGN, ZERO_REDUCING_UNITS)  # that must agree]
+                     PIPELINE_GRAD_BUFFERS, PIPELINE_STATE_BUFFERS, POOL_ALIGN, ZERO_REDUCING_UNITS)  # that must agree]
 
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need", "grad_staging",
            "nvme_capacity", "modes_of", "speculation_needed", "speculation_unsupported", "undo_bytes", "spillable",
@@ -81,6 +84,8 @@ class Modes:
     speculate: bool = False   # updates during backward before the clip/overflow check ([Note: speculative updates])
     reduce_on_device: bool = False  # gradients reduced on the device ([Note: where gradients are reduced])
     moment_dtype: str = "fp32"  # Config.moment_dtype ([Note: low-bit moments in the engine] in opt_kinds.py)
+    state_chunk: int = 0      # NVMe state streamed in chunks of this many elements (Config.state_chunk_bytes / 4);
+    #                           0: whole units. See [Note: state streamed in chunks]
 
     @property
     def params_on_device(self) -> bool:
@@ -128,7 +133,7 @@ def modes_of(config, world: int, device: torch.device) -> Modes:
                  config.prefetch_bytes, speculation_needed(config) and speculation_unsupported(config, world) is None,
                  host_reduction_reason(config.zero_stage, world, config.grad_accumulation_steps,
                                        config.offload_optimizer, config.overlap) is None,
-                 config.moment_dtype)
+                 config.moment_dtype, config.state_chunk_bytes // 4)
 
 
 def host_reduction_reason(stage: int, world: int, accum_steps: int, optimizer: str = "host",
@@ -210,10 +215,22 @@ class UnitPlacement:
     state_numel: int      # master and moments (the shard under any ZeRO stage)
     compute_bytes: int    # bytes of the device copy
     aliased: bool         # [Note: fp32 master aliasing]: the master is the compute copy
+    chunk_numel: int = 0  # elements per streamed chunk of the state; 0: one piece ([Note: state streamed in chunks])
 
     @property
     def trainable(self) -> bool:
         return self.trainable_numel > 0
+
+    @property
+    def chunked(self) -> bool:
+        """The NVMe state is updated chunk by chunk (more than one chunk)."""
+        return 0 < self.chunk_numel < self.state_numel
+
+    @property
+    def windows(self) -> List[Tuple[int, int]]:
+        """Element ranges [c0, c1) of the state (shard-local) the chunks hold, in order."""
+        step = self.chunk_numel if self.chunked else max(self.state_numel, 1)
+        return [(c0, min(c0 + step, self.state_numel)) for c0 in range(0, self.state_numel, step)]
 
 
 def place_unit(layout, modes: Modes) -> UnitPlacement:
@@ -233,7 +250,8 @@ def place_unit(layout, modes: Modes) -> UnitPlacement:
     return UnitPlacement(compute_numel=n, trainable_numel=tn,
                          home_numel=n // modes.world if modes.zero == 3 else n,
                          state_numel=tn // modes.world if modes.zero else tn,
-                         compute_bytes=nbytes(n, modes.dtype), aliased=aliased)
+                         compute_bytes=nbytes(n, modes.dtype), aliased=aliased,
+                         chunk_numel=modes.state_chunk if modes.opt_nvme else 0)
 
 
 @dataclass(frozen=True)
@@ -295,16 +313,18 @@ class HostNeed:
     undo_bytes: int = 0   # the speculative updates' undo state, in the capacity (see undo_bytes)
     cow_bytes: int = 0    # swap room for the speculative updates' new NVMe state (the old one stays till step())
     keys_per_unit: int = KINDS_PER_UNIT  # swap keys a unit may have (int8 moments add their two scales)
+    chunk_keys: int = 0   # more swap keys: the chunks of state streamed in chunks beyond each kind's first
 
 
 def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
     """The host tier's needs for units placed ``places`` (the root first)."""
-    perm = cache_all = nvme = zero_transient = 0
-    largest_c = largest_t = 0
+    perm = cache_all = nvme = zero_transient = chunk_keys = 0
+    largest_c = largest_t = largest_s = 0
     for p in places:
         cb = round_pool(p.compute_bytes)
         tb = round_pool(nbytes(p.trainable_numel, torch.float32)) if p.trainable else 0
         largest_c, largest_t = max(largest_c, cb), max(largest_t, tb)
+        largest_s = max(largest_s, tb if not p.chunked else round_pool(nbytes(p.chunk_numel, torch.float32)))
         if modes.compute_home_host:
             perm += round_pool(p.compute_bytes // modes.world) if modes.zero == 3 else cb * (2 if modes.delayed else 1)
         if modes.params_nvme:
@@ -317,7 +337,8 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
             # ZeRO keeps its gradient shard on the host; an aliased master is the compute copy.
             k = (0 if modes.zero else sb) + state_pool_bytes(p, modes, sb, master=not p.aliased)
             cache_all, nvme = cache_all + k, nvme + k
-    pipeline = PIPELINE_BUFFERS * largest_t + largest_c
+            chunk_keys += (len(p.windows) - 1) * len(state_kinds(modes.moment_dtype))
+    pipeline = PIPELINE_GRAD_BUFFERS * largest_t + PIPELINE_STATE_BUFFERS * largest_s + largest_c
     minimum = perm
     if modes.params_nvme:
         minimum += (modes.depth + NVME_CACHE_SPARE) * largest_c + round_pool(places[0].compute_bytes)
@@ -334,7 +355,7 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
     spill = sum(round_pool(nbytes(p.home_numel, modes.dtype)) for p in places) if spillable(modes) else 0
     cow = _cow_bytes(places, modes)
     return HostNeed(perm, minimum, capacity, nvme, spill, undo, cow,
-                    KINDS_PER_UNIT + len(state_kinds(modes.moment_dtype)) - len(state_kinds("fp32")))
+                    KINDS_PER_UNIT + len(state_kinds(modes.moment_dtype)) - len(state_kinds("fp32")), chunk_keys)
 
 
 def _cow_bytes(places: List[UnitPlacement], modes: Modes) -> int:
@@ -417,8 +438,9 @@ def _zero_full(modes: Modes, tb: int) -> int:
 
 def nvme_capacity(need: HostNeed, units: int, paths: int) -> int:
     """Bytes of swap files per rank: the state and the room for spilled homes,
-    the second copy of speculative updates (``cow_bytes``), plus per key and path
-    two pages of extent rounding, plus ``SWAP_SLACK_PAGES``."""
-    keys = need.keys_per_unit * (2 if need.cow_bytes else 1)  # copy-on-write keys have two entries
-    return (need.nvme_bytes + need.spill_bytes + need.cow_bytes + 2 * 4096 * units * keys * paths
+    the second copy of speculative updates (``cow_bytes``), plus per key
+    (chunks of streamed state included) and path two pages of extent
+    rounding, plus ``SWAP_SLACK_PAGES``."""
+    keys = (units * need.keys_per_unit + need.chunk_keys) * (2 if need.cow_bytes else 1)  # copy-on-write: two
+    return (need.nvme_bytes + need.spill_bytes + need.cow_bytes + 2 * 4096 * keys * paths
             + SWAP_SLACK_PAGES * 4096)

@@ -263,8 +263,10 @@ class StepSchedule:
         ``OptimizerState.checkin``)."""
         p = self.p
         p.fence.wait_unit(u)
+        # See [Note: state streamed in chunks] in owners/optstate.py.
+        stream = (lambda fn: p.optstate.stream(u, fn, keep_old)) if u.place.chunked else None
         sums = self.updater.run(u, grad, written, p.host_cache.open_for_update(u, all(written)), scale, live=True,
-                                hyper=hyper)
+                                hyper=hyper, stream=stream)
         p.optstate.checkin(u, sums, keep_old)
         # [Note: fp32 master aliasing]: the master's sums over the whole copy
         # go with its write-back on eviction ([Note: sums from the producer]).
@@ -402,7 +404,7 @@ class BackwardSchedule(StepSchedule):
         optimizer they would fill the pool, and the update running then finds
         no room for its own buffers (it cannot wait for itself). So at most
         ``MAX_QUEUED`` updates are queued or running: the host budget's
-        pipeline (placement.PIPELINE_BUFFERS) holds that many."""
+        pipeline (limits.PIPELINE_GRAD_BUFFERS, PIPELINE_STATE_BUFFERS) holds that many."""
         while sum(not t.done() for t in self._running.values()) >= MAX_QUEUED:
             t0 = time.perf_counter()
             self.wait_one()

@@ -84,7 +84,7 @@ class Updater:
     # -- the update ----------------------------------------------------------------------
 
     def run(self, u, grad: torch.Tensor, written: List[bool], out: Optional[torch.Tensor], grad_scale: float,
-            live: bool = True, hyper: Optional[List[dict]] = None, undo=None) -> Optional[dict]:
+            live: bool = True, hyper: Optional[List[dict]] = None, undo=None, stream=None) -> Optional[dict]:
         """AdamW on ``u``: one kernel call per (param group, step count) run of
         consecutive slots that got gradients, writing the new compute copy into
         ``out`` (None: none, or the master is the copy). ``live``: ``out`` is the
@@ -93,8 +93,11 @@ class Updater:
         were at ``step()`` (an update that runs later must not see an LR
         scheduler's next value). ``undo``: a speculative update's undo state
         (speculate.py), into which each kernel call saves the bytes it
-        overwrites in its own pass. Returns the checksums the kernel took (kind -> sums),
-        when one call updated the whole buffers, else None."""
+        overwrites in its own pass. ``stream``: the unit's state comes in
+        chunks: ``stream(fn)`` calls ``fn(window)`` for each, the state buffers
+        then holding the window's elements (OptimizerState.stream). Returns the
+        checksums the kernel took (kind -> sums), when one call updated the
+        whole buffers and no stream took them, else None."""
         t0 = time.perf_counter()
         o = u.opt
         groups = runs(u, written, key=lambda s: (s.group, s.step))
@@ -103,15 +106,21 @@ class Updater:
         # producer] in native/src/adam.cpp). Padding is zero in every buffer
         # and stays zero under the update, so the call may span all of it.
         # Low-bit moments: the swap store takes the sums itself (the kernel takes fp32 ones only).
-        chunk = self.sum_chunk_bytes if o.master.device.type == "cpu" and o.exp_avg.dtype == torch.float32 else None
+        fp32_state = self.modes.moment_dtype == "fp32" and (o.master is None or o.master.device.type == "cpu")
+        chunk = self.sum_chunk_bytes if fp32_state else None
         whole = chunk is not None and len(groups) == 1 and all(written)
-        sums = None
-        for (gi, step), global_ranges in groups.items():
-            if whole:
-                global_ranges = [(0, u.place.trainable_numel)]
-            got = self._run_group(u, grad, out, global_ranges, (hyper or self.param_groups)[gi], step + 1, grad_scale,
-                                  chunk if whole else None, undo)
-            sums = got if got is not None else sums
+
+        def window(win) -> Optional[dict]:
+            sums = None
+            for (gi, step), global_ranges in groups.items():
+                if whole:
+                    global_ranges = [(0, u.place.trainable_numel)]
+                got = self._run_group(u, grad, out, global_ranges, (hyper or self.param_groups)[gi], step + 1,
+                                      grad_scale, chunk if whole else None, undo, win)
+                sums = got if got is not None else sums
+            return sums
+
+        sums = window(None) if stream is None else stream(window)
         slots = u.layout.trainable_slots
         for ti, s in enumerate(slots):
             if written[ti]:
@@ -121,6 +130,22 @@ class Updater:
         with self._stat_lock:
             self.stats.optimizer_seconds += time.perf_counter() - t0
         return sums
+
+    def _shard_start(self, u) -> int:
+        return self.sharding.shard(u.place.trainable_numel)[0] if self.modes.zero else 0
+
+    def _shard_local(self, u, ranges) -> List[Tuple[int, int]]:
+        lo = self._shard_start(u)
+        return [(a - lo, b - lo) for a, b in ranges]
+
+    def _in_window(self, u, global_ranges, win) -> Tuple[list, list]:
+        """(global ranges, state-buffer ranges) of ``global_ranges`` cut to the
+        chunk ``win`` of the own shard's state (See [Note: state streamed in
+        chunks] in owners/optstate.py)."""
+        g0 = self._shard_start(u) + win[0]
+        g1 = g0 + win[1] - win[0]
+        ranges = [(max(a, g0), min(b, g1)) for a, b in global_ranges if max(a, g0) < min(b, g1)]
+        return ranges, [(a - g0, b - g0) for a, b in ranges]
 
     def carry_unwritten(self, u, written: Sequence[bool], src: torch.Tensor, dst: torch.Tensor) -> None:
         """Delayed mode: copies the trainable slots the update did not write
@@ -132,19 +157,25 @@ class Updater:
             dst[a:b].copy_(src[a:b])
 
     def _run_group(self, u, grad, out, global_ranges, g: dict, step: int, grad_scale: float,
-                   chunk: Optional[int], undo=None) -> Optional[dict]:
-        """One kernel call over ``global_ranges`` with group ``g``'s hyperparameters."""
+                   chunk: Optional[int], undo=None, win=None) -> Optional[dict]:
+        """One kernel call over ``global_ranges`` with group ``g``'s
+        hyperparameters; ``win``: the state buffers hold only the elements
+        [win[0], win[1]) of the state (a chunk; shard-local), else all."""
         o = u.opt
-        # ZeRO: only the part inside the own shard; state buffers are shard-local.
-        ranges = [(a, b) for a, b in global_ranges if self.local(u, a, b, o.master) is not None]
+        if win is None:
+            # ZeRO: only the part inside the own shard; state buffers are shard-local.
+            ranges = [(a, b) for a, b in global_ranges if self.local(u, a, b, o.master) is not None]
+            st = [self.local(u, a, b, o.master) for a, b in ranges]
+            ranges = [self.clip_to_shard(u, a, b) for a, b in ranges]
+        else:
+            ranges, st = self._in_window(u, global_ranges, win)
         if not ranges:
             return None
-        st = [self.local(u, a, b, o.master) for a, b in ranges]
         gr = [self.local(u, a, b, grad) for a, b in ranges]
-        ranges = [self.clip_to_shard(u, a, b) for a, b in ranges]
         ps, gs = [o.master[a:b] for a, b in st], [grad[a:b] for a, b in gr]
         ms, vs = [o.exp_avg[a:b] for a, b in st], [o.exp_avg_sq[a:b] for a, b in st]
-        out_ranges = st if self.modes.zero == 3 else ranges  # ZeRO-3: the home copy is the shard, trainable part first
+        # ZeRO-3: the home copy is the shard, trainable part first.
+        out_ranges = (self._shard_local(u, ranges) if win is not None else st) if self.modes.zero == 3 else ranges
         outs = [out[a:b] for a, b in out_ranges] if out is not None else None
         h = group_hyper(g)  # checked by the optimizer's step() before any update
         if o.master.device.type == "cuda":
