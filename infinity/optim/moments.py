@@ -52,7 +52,7 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 def _code(x: torch.Tensor, mbits: int) -> torch.Tensor:
     """Nearest code (ties to even) of fp32 ``x`` in [0, 1], as int32: the
-    kernel's q8_code to the bit (which finds it with one IEEE add per vector;
+    kernel's q8_code to the bit (which finds it with one FMA per vector;
     here the fp32 bits are rounded to the code's width, and an IEEE add rounds
     below 2^-14)."""
     u = x.view(torch.int32)

@@ -120,6 +120,30 @@ struct Vec {
     if (NT) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), x);
     else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
   }
+  // The codes of 4 x 8 lanes of q8_code_f's f bits (adam_q8.inc), stored as
+  // 32 bytes in lane order; with signs, each code takes the sign of its float
+  // at signs[i] (exp_avg). f's bits are k (< 2^(MB+2)) in the low half and
+  // the exponent field E (< 2^8) at bit 23, so one multiply-add of the 16-bit
+  // halves gives 2^(7-MB) * (k + E * 2^MB) exactly, packed to 16-bit lanes
+  // and finished there, 16 lanes an op; the signs are packed by signed
+  // saturation, which keeps each int32's sign.
+  template <int MB>
+  static inline void store_codes4(uint8_t* p, I a, I b, I c, I d, const float* signs) {
+    const __m256i w = _mm256_set1_epi32((1 << 16) | (1 << (7 - MB)));
+    const __m256i off = _mm256_set1_epi16(static_cast<short>((113 + 23 - MB) << MB));
+    auto finish = [&](I x, I y) {
+      const __m256i h = _mm256_packus_epi32(_mm256_madd_epi16(x, w), _mm256_madd_epi16(y, w));
+      return _mm256_sub_epi16(_mm256_srli_epi16(h, 7 - MB), off);
+    };
+    __m256i q = _mm256_packus_epi16(finish(a, b), finish(c, d));
+    if (signs) {
+      auto ld = [&](int k) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(signs + 8 * k)); };
+      const __m256i s = _mm256_packs_epi16(_mm256_packs_epi32(ld(0), ld(1)), _mm256_packs_epi32(ld(2), ld(3)));
+      q = _mm256_or_si256(q, _mm256_and_si256(s, _mm256_set1_epi8(static_cast<char>(0x80))));
+    }
+    q = _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), q);
+  }
   static inline I load_u8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
