@@ -16,14 +16,8 @@ step, and the discriminator's next ``zero_grad()`` drops them), so the
 backward is taken (``stale``) with no update started during it, and only a
 ``step()`` that would apply the sum raises, before anything changes.
 
-[Note: zero_grad(set_to_none=False)]
-torch keeps a zero ``.grad`` for every parameter that had one, so the next
-step updates it even when its next backward leaves it out (its moments
-decay, weight decay applies). ``had`` marks those slots; ``zero_grad()``
-with ``set_to_none=True`` (torch's default) clears it. At ``step()`` the
-slots that had a gradient and got none in this window are zeroed in the
-buffer the update reads and count as written (``fill_kept_zeros``), so the
-norm, the overflow check and the update see what torch's would.
+The zeros torch would keep after ``zero_grad(set_to_none=False)`` are
+grad_kept.py's ([Note: zero_grad(set_to_none=False)]).
 """
 
 from __future__ import annotations
@@ -43,6 +37,7 @@ from ..plan.limits import GRAD_BUCKET_BYTES, MAX_REDUCING  # See [Note: limits t
 from ..plan.placement import device_reduce_bytes
 from .grad_buckets import Bucket, bucket_elems, land, make_buckets, open_stage, runs_of
 from .grad_device import DeviceGrad, drop_full, issue_reduction, land_slot, open_full
+from .grad_kept import KeptZeros
 from .grad_norm import sum_of_squares, unit_part
 
 __all__ = ["GradRecord", "Gradients"]
@@ -70,7 +65,7 @@ class GradRecord:
     norm_part: Optional[tuple] = None         # (written, share of the squared norm) taken before a spill
 
 
-class Gradients:
+class Gradients(KeptZeros):
     """The gradients of ``units``; ``room`` is the shared host pool (their host buffers)."""
 
     def __init__(self, units, modes, device_tier, room, nvme, mover, stats, sharding, accum_steps: int,
@@ -429,68 +424,6 @@ class Gradients:
         for u in self._reducing:
             self._release_reduced(u)
         self._reducing = []
-
-    # -- zero gradients torch would keep ([Note: zero_grad(set_to_none=False)]) --------------
-
-    def forget(self, set_to_none: bool) -> None:
-        """``zero_grad(set_to_none)``: the window's gradients are forgotten;
-        with ``set_to_none`` torch's ``.grad`` of every parameter is None
-        again, else the slots that had one hold zeros from now on."""
-        if set_to_none:
-            for u in self.units:
-                u.grads.had = [False] * len(u.grads.had)
-
-    def any_kept(self) -> bool:
-        """True when some parameter would have a ``.grad`` (torch's view) now."""
-        return any(any(u.grads.had) for u in self.units)
-
-    def fill_kept_zeros(self, u) -> None:
-        """Before the step reads ``u``'s gradients: the slots torch would hold
-        a zero ``.grad`` for (``had``, not written in this window) get zeros in
-        the buffer the update reads and count as written."""
-        rec = u.grads
-        kept = [ti for ti, (h, w) in enumerate(zip(rec.had, rec.written)) if h and not w]
-        if not kept:
-            return
-        buf = self.update_input(u)
-        if buf is None:  # NVMe optimizer state: a transient buffer, maybe spilled
-            return self._fill_spilled(u, kept)
-        self._zero_slots(u, buf, kept)
-
-    def _zero_unwritten(self, u, buf: torch.Tensor) -> None:
-        slots = u.layout.trainable_slots
-        for ti, w in enumerate(u.grads.written):
-            if not w:
-                buf[slots[ti].offset:slots[ti].offset + slots[ti].numel].zero_()
-
-    def _zero_slots(self, u, buf: torch.Tensor, kept: List[int]) -> None:
-        self.wait(u)
-        slots, lo = u.layout.trainable_slots, 0
-        if buf.numel() != u.place.trainable_numel:  # ZeRO: the own shard
-            lo = self.sharding.shard(u.place.trainable_numel)[0]
-        for ti in kept:
-            s = slots[ti]
-            a, b = max(s.offset - lo, 0), min(s.offset + s.numel - lo, buf.numel())
-            if a < b:
-                buf[a:b].zero_()
-            u.grads.written[ti] = True
-
-    def _fill_spilled(self, u, kept: List[int]) -> None:
-        """NVMe optimizer state: zeros written into the spilled gradients (or
-        a fresh zero buffer), spilled again, so host memory stays bounded."""
-        rec = u.grads
-        if rec.home is GradHome.SPILLED:
-            self.load(u)
-            self._zero_slots(u, rec.grad, kept)
-            self.nvme.write(swap_key(u.index, "grad"), rec.grad).wait()
-            self.drop_loaded(u)
-            return
-        self.acquire(u)
-        rec.grad.zero_()
-        self._zero_slots(u, rec.grad, kept)
-        if rec.state is GradState.CLEAN:
-            rec.state = transition(u.name, "grad", rec.state, GradState.ACCUMULATING)
-        self.spill(u)
 
     # -- the step ------------------------------------------------------------------------
 

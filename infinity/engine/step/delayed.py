@@ -49,7 +49,7 @@ class DelayedSchedule(StepSchedule):
         work = []
         for u in p.units:
             if u.place.trainable:
-                p.grads.fill_kept_zeros(u)  # See [Note: zero_grad(set_to_none=False)] in grads.py
+                p.grads.fill_kept_zeros(u)  # See [Note: zero_grad(set_to_none=False)] in grad_kept.py
                 written = list(u.grads.written)
                 work.append((u, p.grads.swap_delayed(u), written))  # the next backward fills the other buffer
         skip, scale = scaling.global_scale(work)

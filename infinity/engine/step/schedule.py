@@ -178,7 +178,7 @@ class StepSchedule:
         spec = self.spec.units if self.spec is not None else []
         # With speculative updates the norm is over every unit, as overlap="step" takes it.
         todo = [u for u in p.units if (u.index not in self._running or spec) and u.place.trainable]
-        for u in todo:  # See [Note: zero_grad(set_to_none=False)] in grads.py
+        for u in todo:  # See [Note: zero_grad(set_to_none=False)] in grad_kept.py
             p.grads.fill_kept_zeros(u)
         skip, scale = scaling.global_scale([(u, p.grads.update_input(u), u.grads.written) for u in todo])
         replay = bool(spec) and not self.spec.check(skip, scale)  # rolled back: every unit from here
@@ -319,7 +319,7 @@ class StepSchedule:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forgets accumulated gradients (overwritten, not zeroed, by the next
-        backward); see [Note: zero_grad(set_to_none=False)] in grads.py."""
+        backward); see [Note: zero_grad(set_to_none=False)] in grad_kept.py."""
         p = self.p
         if self._running:
             # See [Note: the accumulation window].
