@@ -88,7 +88,7 @@ def test_lasting_io_error_fails_the_engine_with_one_clear_error(tmp_path, monkey
     m, o = infinity.initialize(model(), nvme_cfg(tmp_path), lr=1e-2)
     train(m, o, data(2))
     store = infinity.api.engine_of(m).nvme.store
-    monkeypatch.setattr(store, "write", lambda key, t, crcs=None: _Failing(key))
+    monkeypatch.setattr(store, "write", lambda key, t, crcs=None, keep_old=False: _Failing(key))
     x, y = data(1)[0]
     with pytest.raises(SwapIOError, match="lasting"):
         m(x, y).backward()
