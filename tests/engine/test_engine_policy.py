@@ -74,7 +74,8 @@ TABLES = {
     "grad": (GradState, [("CLEAN", "ACCUMULATING"), ("ACCUMULATING", "CLEAN")]),
     "grad home": (GradHome, [("NONE", "HOST"), ("NONE", "PERMANENT"), ("HOST", "SPILLED"), ("HOST", "CLAIMED"),
                              ("HOST", "NONE"), ("SPILLED", "HOST"), ("SPILLED", "LOADED"), ("SPILLED", "NONE"),
-                             ("LOADED", "SPILLED"), ("LOADED", "NONE"), ("CLAIMED", "NONE")]),
+                             ("LOADED", "SPILLED"), ("LOADED", "NONE"), ("CLAIMED", "NONE"),
+                             ("CLAIMED", "SPILLED")]),
 }
 
 
