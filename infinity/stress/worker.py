@@ -84,8 +84,11 @@ def _step(job, model, opt, eng, step: int) -> float:
     loss = model(x, y)
     loss.backward()
     if job.get("kill_at") == step:
-        os.kill(os.getpid(), getattr(signal, "SIG" + job.get("signal", "KILL")))
-        time.sleep(5)  # SIGTERM's handler raises at the next bytecode; SIGKILL never returns
+        # To the main thread (this one): a process-wide signal may be taken by a worker thread, whose
+        # handler may run late on a loaded machine. SIGTERM's handler raises at the next bytecode;
+        # SIGKILL never returns.
+        signal.pthread_kill(threading.main_thread().ident, getattr(signal, "SIG" + job.get("signal", "KILL")))
+        time.sleep(5)
     opt.step()
     opt.zero_grad()
     if job.get("corrupt_after") == step:

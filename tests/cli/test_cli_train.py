@@ -4,6 +4,7 @@ file, a DeepSpeed JSON, metrics, checkpoint calls, --resume, SIGINT, exit codes.
 import json
 import os
 import signal
+import threading
 import subprocess
 import sys
 from pathlib import Path
@@ -108,7 +109,9 @@ def test_sigint_finishes_the_step_saves_and_exits_130(tmp_path, monkeypatch):
     def stats(model):
         s = real_stats(model)
         if s["steps"] == 2:
-            os.kill(os.getpid(), signal.SIGINT)
+            # To this (the main) thread: a process-wide os.kill may be taken by a worker thread, and on a
+            # loaded machine its handler may then run a step late.
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         return s
 
     monkeypatch.setattr(infinity, "stats", stats)
