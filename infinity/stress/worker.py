@@ -176,6 +176,9 @@ def run(job: dict) -> dict:
 def main() -> int:
     job = json.loads(sys.argv[1])
     torch.set_num_threads(job.get("threads", 1))
+    # A SIGINT fault stands for a user's Ctrl-C: Python's own handler, even where this process inherited
+    # SIGINT ignored (a shell starts background jobs so, and Python then keeps it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         res = run(job)
     except BaseException as e:  # noqa: BLE001 - e.g. a budget refused at initialize

@@ -100,7 +100,16 @@ def test_checkpoint_calls_and_resume(tmp_path, monkeypatch):
     assert [s[1] for s in saved] == [5] and saved[0][2]["index"] == 20  # the sampler went on from step 4
 
 
-def test_sigint_finishes_the_step_saves_and_exits_130(tmp_path, monkeypatch):
+@pytest.fixture
+def ctrl_c():
+    """SIGINT handled as a user's Ctrl-C finds it, Python's own handler, even where the suite inherited
+    it ignored (a shell starts background jobs so); what was there before afterwards."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_sigint_finishes_the_step_saves_and_exits_130(tmp_path, monkeypatch, ctrl_c):
     saved = []
     monkeypatch.setattr(infinity, "save_checkpoint", lambda d, m, o, **kw: saved.append(kw["extra"]["step"]),
                         raising=False)
@@ -109,8 +118,7 @@ def test_sigint_finishes_the_step_saves_and_exits_130(tmp_path, monkeypatch):
     def stats(model):
         s = real_stats(model)
         if s["steps"] == 2:
-            # To this (the main) thread: a process-wide os.kill may be taken by a worker thread, and on a
-            # loaded machine its handler may then run a step late.
+            # To this (the main) thread, where Python runs the handler at the next bytecode.
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         return s
 
