@@ -279,7 +279,8 @@ class Engine:
         # Every step runs whatever the one before met: a fault must not keep
         # the lock, the files or the threads (see [Note: a run is consistent or it says so]).
         problems = []
-        for name, step in (("collectives", self._settle_collectives), ("copies", self.mover.synchronize),
+        for name, step in (("collectives", self._settle_collectives), ("clock", self.sharding.clock.close),
+                           ("copies", self.mover.synchronize),
                            ("threads", self.mover.close), ("writes", self.room.close),
                            ("swap files", self.nvme.close if self.nvme is not None else None),
                            ("host pool", self.room.close_pool)):  # last: NVMe transfers use its buffers

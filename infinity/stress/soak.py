@@ -56,9 +56,10 @@ def steps_needed(quick: bool) -> int:
 def thread_bounds(swap_queue_depth: int) -> Dict[str, int]:
     """The most Python threads of each name prefix the runtime may run at once
     during training (the main thread, the mover's workers, the Python I/O
-    engine's ``swap_queue_depth`` workers where the native engine is absent)."""
+    engine's ``swap_queue_depth`` workers where the native engine is absent, the
+    collectives' clock)."""
     from ..engine.mechanism.mover import WORKER_THREADS
-    return {"MainThread": 1, **WORKER_THREADS, "infinity-io": swap_queue_depth}
+    return {"MainThread": 1, **WORKER_THREADS, "infinity-io": swap_queue_depth, "infinity-comm-clock": 1}
 
 
 def thread_counts() -> Dict[str, int]:

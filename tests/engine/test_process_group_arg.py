@@ -50,3 +50,27 @@ def test_a_mesh_dimension_trains_as_its_group(world_of_one):
     by_group = _train(mesh["dp"].get_group())
     assert by_mesh[0] == by_group[0]
     assert all(torch.equal(by_mesh[1][k], v) for k, v in by_group[1].items())
+
+
+def _clock_threads() -> int:
+    import threading
+    return sum(t.name == "infinity-comm-clock" for t in threading.enumerate())
+
+
+def test_close_ends_the_collectives_clock_thread(world_of_one):
+    """The thread that times asynchronous collectives ([Note: exposed
+    communication time]) is the engine's: it ends at close, so a process that
+    initializes again and again does not gather threads."""
+    before = _clock_threads()
+    for _ in range(3):
+        torch.manual_seed(0)
+        model, opt = infinity.initialize(small_gpt(n_layer=2), infinity.Config(device="cpu", dtype="fp32",
+                                                                               zero_stage=3), lr=1e-3)
+        for x, y in batches(2):
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert _clock_threads() == before + 1  # the collectives were timed on it
+        assert infinity.stats(model)["comm_seconds"]["total"] > 0
+        infinity.close(model)
+        assert _clock_threads() == before

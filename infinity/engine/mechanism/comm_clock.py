@@ -52,15 +52,26 @@ class CommClock:
             self._thread.start()
         self._queue.put((work, t0))
 
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ends the clock thread once the collectives queued before are timed
+        (waits at most ``timeout_s`` seconds): an engine that closes leaves no thread."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout_s)
+
     def _watch(self) -> None:
         while True:
-            work, t0 = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            work, t0 = item
             try:
                 work.wait()
             except Exception:  # a failed collective: its waiter reports it
                 pass
             self._done(t0)
-            del work
+            del work, item
 
     def _done(self, t0: float) -> None:
         end = time.perf_counter()
