@@ -10,7 +10,7 @@ from infinity.engine.plan.placement import host_reduction_reason
 
 from engine_utils import assert_params_close
 import zero_worker
-from test_zero import LR, reference, rendezvous
+from test_zero import CASES4 as REFERENCE_CASES4, LR, check_four_ranks, reference, rendezvous
 
 WORLD = 2
 
@@ -76,16 +76,19 @@ def test_bytes_per_link_per_rank_equal_theory(ci_results, ci):
 CASES4 = [dict(stage=1, steps=2, model="unequal"), dict(stage=3, steps=2, model="unequal")]
 
 
-@pytest.mark.slow
-def test_four_ranks_bytes_per_link_equal_theory(tmp_path):
-    """Four gloo ranks: each rank's D2H is 1/4 of the flat gradients, the
-    ring sends 3/4 of each buffer, bit for bit the host path's training.
-    Slow: starting four ranks takes ~20 s on two loaded cores, whatever the
-    cases (one case 21.6 s, two 24.3 s)."""
+def test_four_ranks_match_the_reference_and_move_the_bytes_theory_says(tmp_path):
+    """Four gloo ranks in one spawn: test_zero's stages 1-3 against the
+    single-process reference (check_four_ranks), and CASES4's each rank's
+    D2H 1/4 of the flat gradients, the ring sending 3/4 of each buffer, bit
+    for bit the host path's training. One spawn, as starting four ranks
+    costs ~20 s on two loaded cores whatever the cases."""
     both = [dict(c, reduce=r) for c in CASES4 for r in (None, "host")]
-    mp.spawn(zero_worker.run, args=(4, rendezvous(tmp_path), both, str(tmp_path)), nprocs=4, join=True)
+    first = len(REFERENCE_CASES4)
+    mp.spawn(zero_worker.run, args=(4, rendezvous(tmp_path), list(REFERENCE_CASES4) + both, str(tmp_path)),
+             nprocs=4, join=True)
+    check_four_ranks(tmp_path)
     for i, case in enumerate(CASES4):
-        dev, host = (torch.load(tmp_path / f"case{2 * i + k}.pt") for k in (0, 1))
+        dev, host = (torch.load(tmp_path / f"case{first + 2 * i + k}.pt") for k in (0, 1))
         assert dev["stats"]["world_size"] == 4
         _assert_same_bits(case, dev, host, world=4)
         _assert_bytes_equal_theory(case, dev, host, 4)
