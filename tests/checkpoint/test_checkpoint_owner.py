@@ -108,7 +108,7 @@ def test_a_second_saver_is_refused_while_the_first_holds_the_folder(run, tmp_pat
         assert (root / ".step-00000005.partial").is_dir()  # its saver is alive: left alone
     finally:
         p.stdin.close()
-        p.wait(60)
+        p.wait(300)
     _save(run, root, 2)  # the holder is gone: the lock is free, and its partial folder is removed
     layout.wait_removals(str(root))
     assert not (root / ".step-00000005.partial").exists()
