@@ -163,7 +163,8 @@ class InfinityTrainer(Trainer):
     # -- checkpoints through infinity ----------------------------------------------------------
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        os.chmod(output_dir, 0o700)  # what resumes from it must be ours alone: see _check_resumable
+        if self.args.should_save:  # the process that made it (the others may get here first)
+            os.chmod(output_dir, 0o700)  # what resumes from it must be ours alone: see _check_resumable
         save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), self.model, self.infinity_optimizer,
                         lr_scheduler=self.lr_scheduler, step=self.state.global_step, keep_last=1)
 
