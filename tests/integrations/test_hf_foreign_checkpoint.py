@@ -13,23 +13,15 @@ import pytest
 import torch
 
 import infinity
-from infinity.checkpoint import owner
 from infinity.engine.faults import UsageError
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from test_hf_integration import BUILDERS, config, dataset, training_args  # noqa: E402
+from owner_utils import foreign  # noqa: E402
 
 from infinity.integrations.hf import InfinityTrainer  # noqa: E402
-
-
-def _foreign(monkeypatch, *paths):
-    """Makes ``paths`` look owned by another uid to the owner check (a
-    non-root test cannot chown; the check itself is what is tested)."""
-    inodes = {os.stat(p, follow_symlinks=False).st_ino for p in paths}
-    real = owner.owned_by_us
-    monkeypatch.setattr(owner, "owned_by_us", lambda st: st.st_ino not in inodes and real(st))
 
 
 def _trainer(tmp_path, seed):
@@ -72,11 +64,11 @@ def test_a_foreign_checkpoint_folder_is_refused_before_anything_changes(out, tmp
     else:
         shutil.copytree(out / "checkpoint-2", planted)
     if plant == "another user's":
-        _foreign(monkeypatch, planted)
+        foreign(monkeypatch, planted)
     elif plant == "group-writable":
         os.chmod(planted, 0o770)
     elif plant == "another user's step folder inside":
-        _foreign(monkeypatch, planted / "infinity" / "step-00000002")
+        foreign(monkeypatch, planted / "infinity" / "step-00000002")
     tr = _trainer(tmp_path, 123)
     before = infinity.full_state_dict(tr.model)
     with pytest.raises(UsageError, match=f"resume_from_checkpoint: '{re.escape(str(planted))}'.*{match}") as e:
