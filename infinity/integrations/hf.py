@@ -176,8 +176,7 @@ class InfinityTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
             return
-        _check_resumable(checkpoint)
-        path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
+        path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)  # judged by _check_resumable when the resume began
         load_checkpoint(path, self.model, self.infinity_optimizer, lr_scheduler=self.lr_scheduler)
 
     def _save_scaler(self, output_dir: str) -> None:
