@@ -73,19 +73,22 @@ def _run_case(rank, world, case, out_dir, which, k) -> None:
 def _count_reads() -> list:
     """From now on, the tensor bytes this rank reads from checkpoints ([0]),
     through either of DirectReader's reads."""
+    import threading
     from infinity.checkpoint.direct_stream import DirectReader
-    count = [0]
+    count, lock = [0], threading.Lock()  # the load's threads read too: no increment lost to another's
     read_into = getattr(DirectReader.read_into, "__wrapped__", DirectReader.read_into)
     submit = getattr(DirectReader.submit, "__wrapped__", DirectReader.submit)
 
     def counted_read_into(self, offset, dst):
         got = read_into(self, offset, dst)
-        count[0] += got
+        with lock:
+            count[0] += got
         return got
 
     def counted_submit(self, offset, dst):
         pending = submit(self, offset, dst)
-        count[0] += pending.nbytes
+        with lock:
+            count[0] += pending.nbytes
         return pending
     counted_read_into.__wrapped__, counted_submit.__wrapped__ = read_into, submit
     DirectReader.read_into, DirectReader.submit = counted_read_into, counted_submit

@@ -99,9 +99,11 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                 norms.append(opt.last_grad_norm)
             full = infinity.full_state_dict(model)  # collective: every rank of the group calls it
             osd = opt.state_dict() if "moment_dtype" in case else None  # collective too
+            eng = infinity.api.engine_of(model)
+            # Every collective issued so far timed, whenever the clock thread got the CPU: the totals read are final.
+            eng.sharding.clock.close()
             s = infinity.stats(model)
             s["emulated_copies"] = sum(st.ran for m in movers or [] for st in m.streams)
-            eng = infinity.api.engine_of(model)
             s["unit_numels"] = [(u.place.trainable_numel, u.place.compute_numel) for u in eng.units]
             s["reduce_on_device"] = eng.modes.reduce_on_device
             s["state_chunks"] = [len(u.place.windows) for u in eng.units]

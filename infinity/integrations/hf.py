@@ -26,6 +26,9 @@ Trainer's loop are the ones infinity needs:
   fp32 master state go through ``infinity.save_checkpoint`` into
   ``checkpoint-N/infinity/`` (streamed unit by unit, crash-safe), and
   ``resume_from_checkpoint`` loads it with ``infinity.load_checkpoint``;
+  a ``checkpoint-N`` folder is trusted as infinity's own checkpoint folders
+  are (see ``_check_resumable``), and one that is not is refused before the
+  Trainer reads anything from it;
 - the model is not moved: its parameters live in infinity's tiers
   (``Config.device``), and mixed precision is ``Config.dtype``, so the
   Trainer's ``fp16``/``bf16`` flags are refused;
@@ -42,6 +45,7 @@ import dataclasses
 import functools
 import logging
 import os
+import stat
 from typing import Optional
 
 from transformers import Trainer
@@ -49,7 +53,7 @@ from transformers.trainer_utils import IntervalStrategy
 from transformers.trainer_pt_utils import get_parameter_names
 
 from ..api import engine_of, initialize, stats
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import layout, load_checkpoint, owner, save_checkpoint
 from ..config.runtime import Config
 from ..engine.faults import UsageError
 
@@ -159,16 +163,20 @@ class InfinityTrainer(Trainer):
     # -- checkpoints through infinity ----------------------------------------------------------
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.args.should_save:  # the process that made it (the others may get here first)
+            os.chmod(output_dir, 0o700)  # what resumes from it must be ours alone: see _check_resumable
         save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), self.model, self.infinity_optimizer,
                         lr_scheduler=self.lr_scheduler, step=self.state.global_step, keep_last=1)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # The Trainer's first read of the checkpoint (its weights, then its state): the folder is judged before.
+        _check_resumable(resume_from_checkpoint)
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
-        if not os.path.isdir(path):
-            raise UsageError(f"InfinityTrainer: {path} does not exist: resume_from_checkpoint needs a checkpoint "
-                             "written by InfinityTrainer (its optimizer and fp32 master state)")
+        path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)  # judged by _check_resumable when the resume began
         load_checkpoint(path, self.model, self.infinity_optimizer, lr_scheduler=self.lr_scheduler)
 
     def _save_scaler(self, output_dir: str) -> None:
@@ -181,6 +189,41 @@ class InfinityTrainer(Trainer):
     def infinity_engine(self):
         """The engine managing the model (``infinity.stats(trainer.model)`` reads its counters)."""
         return engine_of(self.model)
+
+
+def _check_resumable(checkpoint: str) -> None:
+    """Raises UsageError naming ``checkpoint`` (a Trainer's ``checkpoint-N``
+    folder) unless it is ours to resume from: a folder, not a link, owned by
+    this process's uid and not writable by group or others, holding an
+    ``infinity/`` checkpoint folder of ours with a complete checkpoint of ours.
+    A resume picks the highest ``checkpoint-N`` (``resume_from_checkpoint=True``),
+    so whoever may plant one in a shared output folder would otherwise choose
+    the run's weights: see [Note: a checkpoint folder is owned like a swap folder]
+    in checkpoint/owner.py. Nothing is read from the folder before this."""
+    who = "InfinityTrainer: resume_from_checkpoint"
+    try:
+        st = os.lstat(checkpoint)
+    except FileNotFoundError:
+        raise UsageError(f"{who}: {checkpoint!r} does not exist") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{who}: {checkpoint!r} is not a folder (a link or a file); infinity resumes only from a "
+                         "checkpoint folder of its own, and follows no link to one")
+    if not owner.owned_by_us(st):
+        raise UsageError(f"{who}: {checkpoint!r} is owned by uid {st.st_uid}, not by this process's uid "
+                         f"{os.geteuid()}: another user's (or a planted) folder is not this run's checkpoint. Remove "
+                         f"it, or chown {os.geteuid()} '{checkpoint}' if you trust its files")
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        raise UsageError(f"{who}: {checkpoint!r} has mode {stat.S_IMODE(st.st_mode):04o}: group or others may write "
+                         f"into it and choose what this run resumes from. Make it private (chmod 700 '{checkpoint}') "
+                         "if you trust its files")
+    path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
+    if not os.path.isdir(path):
+        raise UsageError(f"{who}: {path} does not exist: resume_from_checkpoint needs a checkpoint written by "
+                         "InfinityTrainer (its optimizer and fp32 master state)")
+    owner.check_root(path, who)
+    if not layout.is_checkpoint(path) and not layout.complete_checkpoints(path):
+        raise UsageError(f"{who}: {checkpoint!r} holds no complete checkpoint of this user's in {path} (each "
+                         "step folder skipped is named in a warning above); nothing was loaded")
 
 
 def _unwrapped(prepare_model, managed, model, device_placement=None, evaluation_mode=False):

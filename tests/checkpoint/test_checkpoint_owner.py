@@ -17,6 +17,7 @@ import textwrap
 import pytest
 import torch
 from test_checkpoint import HERE_AND_TESTS, data, make, train
+from owner_utils import foreign
 
 import infinity
 from infinity.checkpoint import direct_stream, layout, owner
@@ -37,14 +38,6 @@ def _save(run, root, step, **kw):
     return infinity.save_checkpoint(root, m, o, step=step, extra={"step": step}, **kw)
 
 
-def _foreign(monkeypatch, *paths):
-    """Makes ``paths`` look owned by another uid to the owner check (a
-    non-root test cannot chown; the check itself is what is tested)."""
-    inodes = {os.stat(p, follow_symlinks=False).st_ino for p in paths}
-    real = owner.owned_by_us
-    monkeypatch.setattr(owner, "owned_by_us", lambda st: st.st_ino not in inodes and real(st))
-
-
 def test_a_new_checkpoint_folder_is_private_whatever_the_umask(run, tmp_path):
     old = os.umask(0)
     try:
@@ -59,7 +52,7 @@ def test_an_unsafe_checkpoint_folder_is_refused_by_save_and_load(run, tmp_path, 
     root = tmp_path / "ck"
     path = _save(run, root, 1)
     if what == "not ours":
-        _foreign(monkeypatch, root)
+        foreign(monkeypatch, root)
         match = "owned by uid .*chown"
     else:
         os.chmod(root, 0o770 if what == "group-writable" else 0o702)
@@ -76,7 +69,7 @@ def test_a_step_folder_not_ours_is_ignored_with_a_warning(run, tmp_path, monkeyp
     root = tmp_path / "ck"
     _save(run, root, 1)
     newest = _save(run, root, 2)
-    _foreign(monkeypatch, newest)
+    foreign(monkeypatch, newest)
     m, o = run
     with pytest.warns(RuntimeWarning, match=f"{newest.name} is skipped: .*owned by uid"):
         assert infinity.load_checkpoint(root, m, o) == {"step": 1}
@@ -108,7 +101,7 @@ def test_a_second_saver_is_refused_while_the_first_holds_the_folder(run, tmp_pat
         assert (root / ".step-00000005.partial").is_dir()  # its saver is alive: left alone
     finally:
         p.stdin.close()
-        p.wait(60)
+        p.wait(300)
     _save(run, root, 2)  # the holder is gone: the lock is free, and its partial folder is removed
     layout.wait_removals(str(root))
     assert not (root / ".step-00000005.partial").exists()

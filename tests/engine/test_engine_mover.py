@@ -50,14 +50,23 @@ class FakeStream:
 
 
 class FakeCuda:
-    """What the mover uses of torch.cuda; the current stream is per device,
+    """What the mover uses of torch.cuda; the current stream is per device
+    and per thread, as CUDA keeps it (the mover's chain and grad threads
+    issue copies on their streams while the main thread asks for its own),
     and torch.cuda.stream(s) makes ``s`` current on its device."""
 
     def __init__(self):
         self.compute = {}   # device index -> the compute stream
-        self.current = {}   # device index -> the current stream
+        self._threads = threading.local()
         self.asked = []     # the device argument of every current_stream call
         self.created = 0
+
+    @property
+    def current(self) -> dict:
+        """The calling thread's current streams: device index -> stream."""
+        if not hasattr(self._threads, "current"):
+            self._threads.current = {}
+        return self._threads.current
 
     def _compute(self, index):
         return self.compute.setdefault(index, FakeStream(torch.device("cuda", index), "compute"))
@@ -73,13 +82,13 @@ class FakeCuda:
 
     @contextlib.contextmanager
     def stream(self, s):
-        index = s.device.index
-        prev = self.current.get(index)
-        self.current[index] = s
+        index, current = s.device.index, self.current
+        prev = current.get(index)
+        current[index] = s
         try:
             yield
         finally:
-            self.current[index] = prev
+            current[index] = prev
 
 
 @pytest.fixture
@@ -268,6 +277,7 @@ def test_stage3_gather_waits_for_the_copy_on_a_side_stream(cuda, monkeypatch):
     assert all(w.waits == [None, side] for w in t.works)
     kind, ev = side.log[-1]
     assert kind == "record" and ev.blocking and ev.synced and t.done()
+    s.clock.close()  # the clock thread the gathers started ends here, not at some later test's moment
 
 
 def _pinned_allocations(monkeypatch) -> list:

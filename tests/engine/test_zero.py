@@ -120,9 +120,9 @@ def test_a_failing_rank_ends_the_others_in_bounded_time(tmp_path):
     t0, msg0 = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert "injected failure" in msg1
     assert msg0 != "finished", "rank 0 kept going after rank 1 failed"
-    # Noticed from rank 1's exit (its sockets close), not by waiting out the 300 s collective timeout: the
-    # bound is far from both a loaded machine's few seconds and the timeout, so it tells them apart every time.
-    assert float(t0) < 200, f"rank 0 took {t0} s to notice: it waited for the collective timeout"
+    # Noticed from rank 1's exit (gloo: "Connection closed by peer"), not by waiting out the 300 s collective
+    # timeout: told apart by what rank 0 was told, not by how long a loaded machine took to tell it.
+    assert "timed out" not in msg0.lower(), f"rank 0 waited for the collective timeout ({t0} s): {msg0}"
 
 
 @pytest.mark.parametrize("ci", [8, 9, 10])

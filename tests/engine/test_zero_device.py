@@ -132,12 +132,17 @@ def _assert_bytes_equal_theory(case, dev, host, world):
 
 
 def _assert_comm_times(s):
-    """[Note: exposed communication time]: the step's collectives took time,
-    the exposed part is within the totals, the hidden share a fraction."""
+    """[Note: exposed communication time]: the collectives took time, the
+    exposed part is within the totals, the hidden share a fraction. The clock
+    thread times each collective when it gets the CPU, so which step's
+    window a collective lands in depends on the machine's load: the run's
+    total (every collective timed, zero_worker.run settles the clock) is
+    what must be positive, not the last step's."""
     for k in ("comm_seconds", "comm_wait_seconds"):
         assert 0 <= s[k]["step"] <= s[k]["total"], (k, s[k])
-    assert s["comm_seconds"]["step"] > 0, s["comm_seconds"]
-    assert 0.0 <= s["comm_hidden"] <= 1.0, s["comm_hidden"]
+    assert s["comm_seconds"]["total"] > 0, s["comm_seconds"]
+    hidden = s["comm_hidden"]  # None where no collective landed in the last step's window
+    assert (hidden is None) == (s["comm_seconds"]["step"] == 0) and (hidden is None or 0.0 <= hidden <= 1.0), s
 
 
 @pytest.mark.slow

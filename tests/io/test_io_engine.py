@@ -162,14 +162,14 @@ from infinity.io import HostPool, SwapIOError, SwapStore
 s = SwapStore(sys.argv[1], backend="io_uring", block_size=65536, queue_depth=4, capacity_bytes=4 << 20,
               staging_bytes=1 << 20)
 x = torch.arange(100_000, dtype=torch.float32)
-s.write("old", x).wait(timeout=60)
+s.write("old", x).wait(timeout=300)
 s._inject_fault("ring", 1, "EIO")
 with HostPool(1 << 20) as pool, pool.acquire(400_000) as buf:
     y = torch.empty_like(x)
     for what, start in (("plain write", lambda: s.write("a", x)), ("direct write", lambda: s.write("b", buf.tensor)),
                         ("read", lambda: s.read("old", y)), ("later write", lambda: s.write("c", x))):
         try:
-            start().wait(timeout=60)
+            start().wait(timeout=300)
         except SwapIOError as e:
             assert e.errno == errno.EIO and "io_uring_enter failed" in str(e), (what, e)
         else:
@@ -188,6 +188,6 @@ def test_dead_ring_fails_its_blocks(tmp_path):
     import subprocess
     import sys
     r = subprocess.run([sys.executable, "-c", _DEAD_RING, str(tmp_path / "swap")], capture_output=True, text=True,
-                       timeout=400, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                       timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
     assert "io_uring_enter failed: Input/output error" in r.stderr  # one line per ring, for the operator

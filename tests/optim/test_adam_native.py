@@ -163,15 +163,16 @@ def test_native_call_releases_gil():
     call leaves the main thread's counter where it was; one that releases it
     lets the main thread count during the call. Judged on the state seen (the
     counter before and after a call), not on timings, and tried over up to
-    20 calls: on a loaded machine the main thread may not be scheduled within
-    one call, but it is within some."""
+    200 calls (the first that sees it ends the test): on a loaded machine
+    the main thread may not be scheduled within one call, but it is within
+    some."""
     n = 1 << 24  # ~0.5 GB of traffic per call: tens of milliseconds
     p, g, m, v = _problem(n, torch.float32)
     done, counter, moved = threading.Event(), [0], []
 
     def worker():
         try:
-            for step in range(1, 21):
+            for step in range(1, 201):
                 before = counter[0]
                 adamw_step_([p], [g], [m], [v], step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                             weight_decay=0.0)

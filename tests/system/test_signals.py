@@ -17,8 +17,9 @@ RUN = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import torch, infinity
     from paging_zoo import Chain, base_config
+    got = []
     if {own_handler!r}:
-        signal.signal(signal.SIGTERM, lambda s, f: print("own handler", flush=True))
+        signal.signal(signal.SIGTERM, lambda s, f: got.append(s))  # no print here: it may land inside one
     torch.manual_seed(0)
     cfg = infinity.Config(**base_config(offload_params="nvme", offload_optimizer="nvme", device_memory=1 << 20,
                                         swap_paths=[{swap!r}], swap_block_size=4096, overlap={overlap!r}))
@@ -31,8 +32,9 @@ RUN = textwrap.dedent("""
         m(x, y).backward(); o.step(); o.zero_grad()
         step += 1
         print("step", step, flush=True)
-        if {own_handler!r} and step == 3:
+        if got and step >= 3:  # the program's own handler ran, and training went on
             break
+    print("own handler", flush=True)
     infinity.close(m)
 """)
 
@@ -44,7 +46,7 @@ def _start(tmp_path, overlap="backward", own_handler=False):
     return proc, swap
 
 
-def _wait_for(proc, prefix: str, timeout: float = 120) -> str:
+def _wait_for(proc, prefix: str, timeout: float = 600) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -75,6 +77,9 @@ def test_sigterm_aborts_the_step_removes_the_swap_files_and_exits_143(tmp_path, 
 
 
 def test_a_programs_own_sigterm_handler_is_kept(tmp_path):
+    """The program stops only once its own handler has run (after step 3 at
+    the earliest): a fixed step count could end it before a loaded machine
+    delivers the signal."""
     proc, swap = _start(tmp_path, own_handler=True)
     assert "infinity.system.signals" not in _wait_for(proc, "handler")
     _wait_for(proc, "step 1")
