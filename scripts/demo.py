@@ -64,13 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--seq", type=int, default=128, help="sequence length in bytes")
     a("--batch", type=int, default=8, help="sequences per step")
     a("--lr", type=float, default=2e-3, help="AdamW learning rate (after a 5-step linear warm-up)")
+    a("--max-grad-norm", type=float, default=1.0,
+      help="clip the global gradient norm to this (default 1.0, the Hugging Face Trainer's; 0: no clipping)")
     a("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
     a("--dtype", default=None, help="compute dtype: fp32 (default on the CPU), bf16 (default on CUDA), fp16")
     a("--offload", default="nvme", choices=["nvme", "host"], help="home of parameters and optimizer state")
     a("--swap-dir", action="append", default=None,
       help="swap directory (repeat for several disks; default ./infinity-swap)")
     a("--device-memory", default=None, help="device budget, e.g. 32MiB (default: model state / 10)")
-    a("--host-memory", default=None, help="host budget (default: model state / 2.5 with nvme)")
+    a("--host-memory", default=None, help="host budget (default: model state / 2.5 with nvme, x 2.5 with host)")
     a("--out", default="./infinity-demo", help="folder for metrics.jsonl and report.png")
     a("--json", default=None, help="also write the summary as JSON to this file")
     args = ap.parse_args(argv)
@@ -111,11 +113,13 @@ def sample(model, n: int = 64, temperature: float = 0.8) -> str:
 
 def budgets(args, model, config: infinity.Config, state: int):
     """(device, host) budgets: the given ones, else state / 10 and state / 2.5
-    (nvme) raised to what this model needs at least, so small models run."""
+    (nvme; host: 2.5 x state) raised to what this model needs at least, so small models run."""
     from infinity.cli.estimate import estimate
     est = estimate(model, config)
     dev = args.device_memory or max(state // 10, est["device"]["minimum"])
-    host = args.host_memory or max(int(state / 2.5) if args.offload == "nvme" else 2 * state,
+    # Host state: its homes, gradients and the undo state of the clipped steps' speculative updates (16 bytes a
+    # parameter, [Note: speculative updates] in infinity/engine/step/speculate.py) fit in 2.5x the model state.
+    host = args.host_memory or max(int(state / 2.5) if args.offload == "nvme" else int(2.5 * state),
                                    est["host"]["minimum"])
     return dev, host
 
@@ -132,7 +136,7 @@ class Phases:
     def __init__(self):
         self.rows = []
 
-    def run(self, batches, model, opt, step: int, lr: float, dev):
+    def run(self, batches, model, opt, step: int, lr: float, dev, clip: float = 0.0):
         # The step's LR is set before backward: with overlap="backward" infinity's
         # AdamW updates each unit during backward, with the LR the groups hold then.
         for g in opt.param_groups:
@@ -144,6 +148,8 @@ class Phases:
         loss = model(x, y)
         loss.backward()
         t.append(time.perf_counter())
+        if clip:  # plain PyTorch only: infinity clips inside opt.step() (Config.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         t.append(time.perf_counter())
         opt.zero_grad()
@@ -163,7 +169,7 @@ def train_plain(model, batches, args, dev):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     ph, losses = Phases(), []
     for step in range(1, args.plain_steps + 1):
-        losses.append(ph.run(batches, model, opt, step, lr_at(step, args.lr), dev)[0])
+        losses.append(ph.run(batches, model, opt, step, lr_at(step, args.lr), dev, args.max_grad_norm)[0])
     rows = ph.rows[1:] or ph.rows
     return statistics.median(sum(r) for r in rows), statistics.median(r[1] for r in rows), losses
 
@@ -204,7 +210,19 @@ def account(ph: Phases, times, stats: dict, skip: int) -> dict:
     step = statistics.fmean(times[skip:] or times)
     return {"step_s": step, "parts_s": parts, "parts_sum_s": sum(parts.values()),
             "stall_s": stats["stall_seconds"] / len(times), "optimizer_wait_s": stats["optimizer_wait_seconds"] / n,
-            "optimizer_s": stats["optimizer_seconds"] / len(times), "hidden": stats["overlap"]}
+            "optimizer_s": stats["optimizer_seconds"] / len(times), "hidden": stats["overlap"],
+            "speculation": speculation_figures(stats)}
+
+
+def speculation_figures(stats: dict) -> dict:
+    """What clipping did to the overlap: the steps whose updates ran during
+    backward speculatively and the share of them replayed (rolled back and
+    redone with the clip coefficient, or skipped), with ``stats()``'s
+    ``speculation`` record beside (``off``: why the updates waited instead)."""
+    sp = stats["speculation"]
+    redone = sp["replayed"] + sp["skipped"]
+    return dict(sp, speculated_share=sp["steps"] / max(1, stats["steps"]),
+                replay_rate=redone / sp["steps"] if sp["steps"] else None)
 
 
 def print_summary(res: dict) -> None:
@@ -222,6 +240,7 @@ def print_summary(res: dict) -> None:
     print(f"  {'other (stats, log)':<20} {other:7.3f} s")
     print(f"  {'whole step, measured':<20} {acc['step_s']:7.3f} s   (the parts above, each timed on its own, sum to "
           f"{acc['parts_sum_s']:.3f} s)")
+    print(speculation_line(res))
     print(f"\nplain PyTorch, in memory, same model and batches: {res['plain_step_s']:.3f} s/step")
     print("\n".join(loss_lines(res)))
     print("\n".join(overhead_lines(res)))
@@ -234,6 +253,24 @@ def print_summary(res: dict) -> None:
         b = res["budget_bytes"].get(k)
         print(f"  {k:<7} {format_bytes(v):>10} of {format_bytes(b) if b else 'no budget':>10}")
     print("\n".join(rss_lines(res)))
+
+
+def speculation_line(res: dict) -> str:
+    """The clipping's cost to the overlap: with max_grad_norm the updates
+    run during backward speculatively ([Note: speculative updates] in
+    infinity/engine/step/speculate.py); the replay rate is the share of the
+    speculated steps redone in optimizer.step()."""
+    acc, clip = res["accounting"], res["max_grad_norm"]
+    sp, hidden = acc["speculation"], f"{100 * acc['hidden']:.0f}% of the optimizer hidden behind backward"
+    if not clip:
+        return f"  no clipping (--max-grad-norm 0): {hidden}"
+    head = f"  clipping at max_grad_norm={clip:g}: "
+    if sp["off"]:
+        return head + f"the updates wait for optimizer.step() (speculation off: {sp['off']}); {hidden}"
+    rate = "none" if sp["replay_rate"] is None else f"{sp['replay_rate']:.2f}"
+    return (head + f"{sp['steps']} of {res['steps']} steps updated speculatively during backward, replay rate {rate} "
+            f"({sp['replayed']} replayed, {sp['skipped']} skipped, {sp['waited']} waited after a replay, "
+            f"{sp['replay_seconds']:.3f} s of replays); {hidden}")
 
 
 def loss_lines(res: dict) -> list:
@@ -295,7 +332,8 @@ def run(args) -> dict:
     state = 16 * n
     swap = args.swap_dir or ["./infinity-swap"]
     config = infinity.Config(device=args.device, dtype=args.dtype, offload_params=args.offload,
-                             offload_optimizer=args.offload, swap_paths=swap, overlap="backward", prefetch_depth=2)
+                             offload_optimizer=args.offload, swap_paths=swap, overlap="backward", prefetch_depth=2,
+                             max_grad_norm=args.max_grad_norm or None)
     dev_budget, host_budget = budgets(args, model, config, state)
     config = dataclasses.replace(config, device_memory=dev_budget, host_memory=host_budget)
     dev = config.resolve_device()
@@ -336,6 +374,7 @@ def run(args) -> dict:
     # infinity's step contains the compute of the plain one: below the bound, the timings were disturbed.
     res["timing_consistent"] = res["overhead_ratio"] >= res["bound_ratio"]
     res["plain_losses"], res["device"], res["dtype"] = plain_losses, dev.type, args.dtype
+    res["max_grad_norm"] = args.max_grad_norm
     res["rss"] = {"at_start_bytes": rss_start, "before_initialize_bytes": rss_before}
     res["sample_end"] = sample(model.to(dev))
     return res

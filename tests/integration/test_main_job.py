@@ -87,6 +87,41 @@ def test_quick_main_job(tmp_path):
     assert 0 < rss["at_start_bytes"] <= rss["before_initialize_bytes"] <= res["peak_rss_bytes"]
     assert res["timing_consistent"] == (res["overhead_ratio"] >= res["bound_ratio"])
     assert ("timing too noisy to trust" in r.stdout) != res["timing_consistent"]
+    # The Trainer's default clipping is on; with parameters on NVMe the updates wait for step() and the run says why.
+    sp = acc["speculation"]
+    assert res["max_grad_norm"] == 1.0 and "offload_params='nvme'" in sp["off"], sp
+    assert sp["steps"] == 0 and sp["replay_rate"] is None and acc["hidden"] == 0.0, acc
+    assert "clipping at max_grad_norm=1: the updates wait for optimizer.step() (speculation off" in r.stdout
+
+
+def test_main_job_with_host_state_speculates_under_clipping(tmp_path):
+    """With parameters and state on the host the main job keeps the updates
+    behind backward under the Trainer's default max_grad_norm=1.0 and reports
+    the replay rate and the hidden share (issue 38); the losses stay plain
+    PyTorch's (clipped with torch.nn.utils.clip_grad_norm_)."""
+    res_path = tmp_path / "res.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--quick", "--offload", "host", "--steps",
+                        "8", "--plain-steps", "3", "--layers", "1", "--out", str(tmp_path / "out"), "--json",
+                        str(res_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(res_path.read_text())
+    acc, steps = res["accounting"], res["steps"]
+    sp = acc["speculation"]
+    assert res["max_grad_norm"] == 1.0 and sp["off"] is None, sp
+    # Every step either speculated or waited after a replay; each speculated one was committed or redone.
+    assert sp["steps"] >= 1 and sp["steps"] + sp["waited"] == steps, sp
+    assert sp["committed"] + sp["replayed"] + sp["skipped"] == sp["steps"], sp
+    assert sp["replay_rate"] == (sp["replayed"] + sp["skipped"]) / sp["steps"] and sp["speculated_share"] == \
+        sp["steps"] / steps, sp
+    assert sp["units_without_room"] == 0 and sp["replay_seconds"] >= 0, sp
+    assert (sp["replay_seconds"] > 0) == (sp["replayed"] + sp["skipped"] > 0), sp
+    assert 0.0 <= acc["hidden"] <= 1.0, acc
+    line = [x for x in r.stdout.splitlines() if "clipping at max_grad_norm=1:" in x]
+    assert len(line) == 1 and f"{sp['steps']} of {steps} steps updated speculatively" in line[0], r.stdout
+    assert f"replay rate {sp['replay_rate']:.2f}" in line[0] and "hidden behind backward" in line[0], line
+    for ours, plain in zip(res["losses"], res["plain_losses"]):
+        assert abs(ours - plain) <= 1e-4 * abs(plain), (res["losses"], res["plain_losses"])
 
 
 def test_main_job_without_matplotlib(tmp_path):

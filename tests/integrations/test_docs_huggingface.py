@@ -27,3 +27,15 @@ def test_each_example_runs(tmp_path, i):
     r = subprocess.run([sys.executable, "-c", BLOCKS[i]], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
+    if "InfinityTrainer(" in BLOCKS[i]:
+        _check_trainer_report(r.stdout)
+
+
+def _check_trainer_report(out: str) -> None:
+    """The Trainer example clips at the Trainer's default max_grad_norm=1.0
+    with overlap="backward": it reports the steps speculated, the replay rate
+    and the share of the optimizer hidden behind backward (issue 38)."""
+    m = re.search(r"(\d+) steps speculated, replay rate ([\d.]+); (\d+)% of the optimizer hidden", out)
+    assert m, out[-2000:]
+    steps, rate, hidden = int(m[1]), float(m[2]), int(m[3])
+    assert 1 <= steps <= 6 and 0.0 <= rate <= 1.0 and 0 <= hidden <= 100, m[0]
