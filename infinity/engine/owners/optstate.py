@@ -459,6 +459,14 @@ class OptimizerState:
                 out[kind] += t.numel() * t.element_size()
         return out
 
+    def bytes_per_parameter(self) -> float:
+        """Bytes of optimizer state (master, moments, scales) this rank keeps
+        in memory and on NVMe, as those tiers counted them, per element of its
+        state (an aliased master is the compute copy's: not counted); 0.0 without state."""
+        numel = sum(u.place.state_numel for u in self.units if u.place.trainable)
+        held = sum(self.kept_bytes().values()) + sum(self.nvme_bytes().values())
+        return held / numel if numel else 0.0
+
     def nvme_bytes(self) -> dict:
         """Bytes of each kind the swap files hold (as the NVMe tier counted
         them when written; an aliased master is the compute copy's)."""
