@@ -44,7 +44,9 @@ CONFIGS = [BASE, dict(BASE, ckpt=True, batch=16), dict(BASE, place="nvme", host=
            # ZeRO-3 on 2 ranks reduces gradients on the device: two units' fp32 gradients more there.
            dict(BASE, zero=3, world=2, place="nvme", host=60 << 20, batch=16, dev=24 << 20),
            # A Hugging Face Llama with SDPA at sequence 2048: attention saved as its fused kernel saves it.
-           dict(BASE, arch="llama", seq=2048, batch=1, dev=24 << 20, host=512 << 20)]
+           dict(BASE, arch="llama", seq=2048, batch=1, dev=24 << 20, host=512 << 20),
+           # Config.master_dtype="bf16" (bf16 compute): a 2-byte master in the NVMe home and the host pipeline.
+           dict(BASE, place="nvme", host=48 << 20, master="bf16")]
 # Larger models the constants were not fitted on (--extra).
 EXTRA = [dict(BASE, layers=8, embd=384, seq=256, dev=40 << 20, host=1 << 30),
          dict(BASE, arch="llama", layers=4, embd=256, dev=24 << 20, host=512 << 20),
@@ -69,7 +71,9 @@ def worker(c: dict, steps: int) -> None:
     base, split = sysinfo.rss_bytes(), {"start": _rss_split()}
     gcfg = GPTConfig(vocab_size=256, block_size=c["seq"], n_layer=c["layers"], n_head=4, n_embd=c["embd"],
                      checkpoint=c["ckpt"])
-    cfg = infinity.Config(device="cpu", dtype="fp32", offload_params=c["place"], offload_optimizer=c["place"],
+    master = c.get("master", "fp32")
+    cfg = infinity.Config(device="cpu", dtype="bf16" if master == "bf16" else "fp32", master_dtype=master,
+                          offload_params=c["place"], offload_optimizer=c["place"],
                           device_memory=c["dev"], host_memory=c["host"], zero_stage=c["zero"], swap_paths=[c["swap"]],
                           unit_classes=["Block"])
     build, step_loss, meta_loss = _arch(c, gcfg)

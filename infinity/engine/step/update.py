@@ -10,8 +10,8 @@ With ``Config.master_dtype="bf16"`` (which needs ``dtype="bf16"``) the
 master of each unit is a bf16 buffer (2 bytes a parameter, in every home:
 host, NVMe, checkpoints) updated by the native bf16-master kernel
 (``inf_adam_step_bf16p``): fp32 maths on the widened master, stored by
-stochastic rounding keyed by (seed, stream, step, index); see [Note:
-stochastic rounding of the bf16 master] in native/src/adam_bf16p.inc. The
+stochastic rounding keyed by (seed, stream, step, index): the native note
+"stochastic rounding of the bf16 master" in native/src/adam_bf16p.inc. The
 engine hands the kernel one tensor per parameter (a slot, cut to the shard
 and chunk), with stream = the parameter's position over the optimizer's
 param groups and index = the element's position in the parameter, and the
