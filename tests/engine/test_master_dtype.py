@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import infinity
-from engine_utils import batches, small_gpt
+from engine_utils import batches, small_gpt, step_with_reference
 
 LR, WD, SEED = 1e-3, 0.1, 1234
 
@@ -30,18 +30,6 @@ def config(tmp_path, tag="swap", **kw) -> infinity.Config:
                 swap_paths=[str(tmp_path / tag)])
     base.update(kw)
     return infinity.Config(**base)
-
-
-def step_both(model, opt, ref, ref_opt, data):
-    for x, y in data:
-        loss, ref_loss = model(x, y), ref(x, y)
-        loss.backward()
-        ref_loss.backward()
-        assert loss.item() == ref_loss.item()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
 
 
 def train(model, opt, data) -> list:
@@ -82,7 +70,7 @@ def test_engine_is_cpu_adamw_bf16_master_bit_for_bit(tmp_path, opt_home, md, ove
     cfg = config(tmp_path, offload_optimizer=opt_home, moment_dtype=md, overlap=overlap, **kw)
     model, opt = infinity.initialize(model, cfg, lr=LR, weight_decay=WD)
     try:
-        step_both(model, opt, ref, ref_opt, batches(4))
+        step_with_reference(model, opt, ref, ref_opt, batches(4))
         got, want = infinity.full_state_dict(model), ref.state_dict()
         assert all(torch.equal(got[k].to(torch.bfloat16), want[k]) for k in want)
         assert all(torch.equal(got[k], got[k].bfloat16().float()) for k in got)  # the master's bits

@@ -337,8 +337,10 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
         if modes.host_optimizer and p.trainable:
             perm, zero_transient = perm + _permanent_state(p, modes, tb, sb), zero_transient + _zero_full(modes, tb)
         if modes.opt_nvme and p.trainable:
-            # ZeRO keeps its gradient shard on the host; an aliased master is the compute copy.
-            k = (0 if modes.zero else sb) + state_pool_bytes(p, modes, sb, master=not p.aliased)
+            # ZeRO keeps its gradient shard on the host; an aliased master is the compute copy. The
+            # gradients go in their host dtype ([Note: gradients in the compute dtype]).
+            gb = round_pool(nbytes(p.trainable_numel, modes.grad_dtype))
+            k = (0 if modes.zero else gb) + state_pool_bytes(p, modes, sb, master=not p.aliased)
             cache_all, nvme = cache_all + k, nvme + k
             chunk_keys += (len(p.windows) - 1) * len(state_kinds(modes.moment_dtype))
     pipeline = PIPELINE_GRAD_BUFFERS * largest_t + PIPELINE_STATE_BUFFERS * largest_s + largest_c
