@@ -275,7 +275,9 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     ``state_bytes`` (bytes kept for good in memory per kind of optimizer
     state: master, moments, int8 moments' scales, gradients) and
     ``nvme_state_bytes`` (what the swap files hold of each kind), in
-    ``moment_dtype`` (Config.moment_dtype).
+    ``moment_dtype`` (Config.moment_dtype), the master in ``master_dtype``
+    (Config.master_dtype); ``state_bytes_per_parameter``: both together over
+    this rank's optimizer-state elements (bytes a parameter, counted by the tiers).
     """
     eng = engine_of(model)
     s = eng.stats
@@ -311,6 +313,8 @@ def stats(model: nn.Module) -> Dict[str, Any]:
         "state_bytes": eng.state_bytes(),
         "nvme_state_bytes": eng.optstate.nvme_bytes(),
         "moment_dtype": eng.modes.moment_dtype,
+        "master_dtype": eng.modes.master_dtype,
+        "state_bytes_per_parameter": eng.optstate.bytes_per_parameter(),
         "zero_stage": eng.modes.zero,
         "world_size": eng.sharding.world,
         "host_pinned": eng.room.tier.pinned,

@@ -165,6 +165,20 @@ def train_steps(model: torch.nn.Module, opt, n: int, seed: int = 0) -> List[floa
     return losses
 
 
+def step_with_reference(model, opt, ref, ref_opt, data) -> None:
+    """One step of ``model`` (through infinity) and of ``ref`` (plain, its
+    optimizer ``ref_opt``) per batch of ``data``; their losses must be equal."""
+    for x, y in data:
+        loss, ref_loss = model(x, y), ref(x, y)
+        loss.backward()
+        ref_loss.backward()
+        assert loss.item() == ref_loss.item()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
 def train_states(model: torch.nn.Module, cfg: infinity.Config, steps: int = 3, accum: int = 1,
                  lr: float = 1e-3, weight_decay: float = 0.1):
     """Trains ``model`` through infinity ``steps`` steps of ``accum`` micro-batches

@@ -31,7 +31,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..optim.functional import group_hyper
-from .moment_loads import checkpoint_moment_dtype, load_moments, warn_if_converted
+from .moment_loads import (checkpoint_master_dtype, checkpoint_moment_dtype, load_moments, restore_master_seed,
+                           warn_if_converted, warn_if_master_converted)
 from . import layout, owner, rng
 from .plan import Plan, plan_checkpoint
 from .direct_stream import DirectReader
@@ -50,7 +51,8 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
     ``infinity.initialize``, at any world size, stage and placement; returns
     the ``extra`` dict given to :func:`save_checkpoint`.
 
-    Restores parameters (fp32 masters; frozen ones' compute copies), buffers,
+    Restores parameters (masters, converted to ``Config.master_dtype`` with
+    a warning where the checkpoint's differs; frozen ones' compute copies), buffers,
     Adam moments and step counts, the param groups' hyper-parameters, the LR
     scheduler, the fp16 loss scaler and the RNG states: training continues
     exactly as the saved run would have. ``strict=False`` skips names one side
@@ -80,7 +82,7 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
     eng.faults.check("infinity.load_checkpoint()")
     plan = plan_checkpoint(model, eng, exclude_frozen=bool(m.get("exclude_frozen")))
     plan.check_between_steps("load_checkpoint")
-    ckpt_md = checkpoint_moment_dtype(ckpt, m)
+    ckpt_md, ckpt_master = checkpoint_moment_dtype(ckpt, m), checkpoint_master_dtype(ckpt, m)
     _check_names_and_shapes(ckpt, m, plan, strict, ckpt_md)
     _check_groups(m, plan, optimizer, strict)
     _check_scheduler(ckpt, m, lr_scheduler, strict)
@@ -90,9 +92,11 @@ def load_checkpoint(path, model, optimizer, *, lr_scheduler=None, strict: bool =
     # [Note: a load is all or nothing] Nothing has changed up to here; from
     # here on, an error fails the engine.
     warn_if_converted(ckpt, ckpt_md, eng.modes.moment_dtype)
+    warn_if_master_converted(ckpt, ckpt_master, eng.modes.master_dtype)
     with eng.faults.guard(f"infinity.load_checkpoint({ckpt!r})"):
         _load_tensors(eng, ckpt, m, plan, ckpt_md)
         _load_small_state(m, optimizer, lr_scheduler, own_rng)
+        restore_master_seed(optimizer, m, ckpt_master, eng.modes.master_dtype)
     return m.get("extra")
 
 

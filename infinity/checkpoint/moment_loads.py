@@ -10,6 +10,14 @@ encoded again. A checkpoint loaded into a run of another ``moment_dtype`` is
 converted through fp32 (int8 decoded as ``CPUAdamW.state_dict`` does, then
 stored as the run keeps them), with one warning naming both. fp32 moments go
 through the staged loads of unit_loads.py, as before.
+
+The master is kept in the run's ``master_dtype`` (the manifest's) with the
+bf16 master's rounding seed (``master_seed``): a resumed run of the same
+``master_dtype`` takes the checkpoint's seed and continues bit for bit (the
+rounding's other inputs, the step counts, are in the checkpoint too). A
+checkpoint loaded into a run of the other ``master_dtype`` is converted
+(bf16 to fp32 exactly; fp32 to bf16 rounded to nearest even), with one
+warning naming both; the run keeps its own seed then.
 """
 
 from __future__ import annotations
@@ -24,7 +32,36 @@ from ..optim import moments as qmoments
 from .safe_files import CorruptCheckpointError
 from .safetensors_io import record_dtype
 
-__all__ = ["checkpoint_moment_dtype", "warn_if_converted", "load_moments"]
+__all__ = ["checkpoint_moment_dtype", "warn_if_converted", "load_moments", "checkpoint_master_dtype",
+           "warn_if_master_converted", "restore_master_seed"]
+
+_MASTER_DTYPES = ("fp32", "bf16")
+
+
+def checkpoint_master_dtype(ckpt: str, m: dict) -> str:
+    """The manifest's ``master_dtype`` ("fp32" for checkpoints from before it was recorded)."""
+    md = m.get("master_dtype", "fp32")
+    seed = m.get("master_seed", 0)
+    if md not in _MASTER_DTYPES or isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+        raise CorruptCheckpointError(f"{os.path.join(ckpt, 'manifest.json')}: master_dtype={md!r} (one of "
+                                     f"{list(_MASTER_DTYPES)}) or master_seed={seed!r} (an int in [0, 2**64)) "
+                                     "is wrong; nothing was loaded")
+    return md
+
+
+def warn_if_master_converted(ckpt: str, ckpt_md: str, run_md: str) -> None:
+    """One warning where the checkpoint's master is converted to the run's Config.master_dtype."""
+    if ckpt_md != run_md:
+        warnings.warn(f"load_checkpoint({ckpt!r}): the checkpoint's master weights are master_dtype={ckpt_md!r}, "
+                      f"this run keeps Config.master_dtype={run_md!r}: they are converted as they load "
+                      f"({'exactly' if run_md == 'fp32' else 'rounded to nearest even'}), and the run keeps its "
+                      "own rounding seed", RuntimeWarning, stacklevel=3)
+
+
+def restore_master_seed(optimizer, m: dict, ckpt_md: str, run_md: str) -> None:
+    """A bf16 master's rounding seed from a checkpoint of a bf16 master (a resume draws the same rounding)."""
+    if ckpt_md == run_md == "bf16":
+        optimizer.updater.master_seed = int(m.get("master_seed", 0))
 
 
 def checkpoint_moment_dtype(ckpt: str, m: dict) -> str:

@@ -131,7 +131,7 @@ def plan_checkpoint(model: nn.Module, eng, exclude_frozen: bool = False) -> Plan
 
 
 def _unit_items(plan: Plan, u, exclude_frozen: bool) -> None:
-    dtype_of = {"master": torch.float32, "compute": plan.eng.modes.dtype}
+    dtype_of = {"master": plan.eng.optstate.dtype_of("master"), "compute": plan.eng.modes.dtype}
     for kind, want in (("master", True), ("compute", False)):
         for s in u.layout.slots:
             if s.trainable is not want or (not want and exclude_frozen):

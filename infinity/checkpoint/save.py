@@ -4,8 +4,10 @@ whichever tier holds it into safetensors shards and a JSON manifest.
 [Note: what a checkpoint holds]
 - ``model-*.safetensors``: every parameter once, under its first name in
   ``model.named_parameters()`` (tied names are aliases in the manifest):
-  trainable ones as their fp32 master (exact: the compute copy is the master
-  rounded), frozen ones as their compute copy; then the persistent buffers.
+  trainable ones as their master (exact: the compute copy is the master
+  rounded) in the run's ``master_dtype`` (the manifest's: fp32, or bf16,
+  with the rounding seed as ``master_seed``), frozen ones as their compute
+  copy; then the persistent buffers.
   Readable with plain ``safetensors``.
 - ``optimizer-*.safetensors``: ``exp_avg.<name>`` and ``exp_avg_sq.<name>``
   of every trainable parameter in the run's ``moment_dtype`` (the manifest's
@@ -363,7 +365,8 @@ def _manifest_head(eng, optimizer, plan: Plan, lr_scheduler, extra, step: int, e
     return {
         "format": "infinity-checkpoint", "version": layout.FORMAT_VERSION, "step": step, "saved_at": time.time(),
         "world_size": eng.sharding.world, "zero_stage": eng.modes.zero, "config": eng.config.to_dict(),
-        "moment_dtype": plan.moment_dtype,
+        "moment_dtype": plan.moment_dtype, "master_dtype": eng.modes.master_dtype,
+        "master_seed": optimizer.updater.master_seed,
         "exclude_frozen": exclude_frozen, "aliases": plan.aliases, "param_steps": plan.param_steps(),
         "param_groups": plan.param_groups(optimizer), "lr_scheduler": sched, "extra": extra,
         "loss_scaler": {"loss_scale": optimizer.scaling.loss_scale, "good_steps": optimizer.scaling.good_steps},

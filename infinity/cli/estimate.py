@@ -57,7 +57,8 @@ def estimate(model: torch.nn.Module, config: Config, world: int = 1) -> Dict[str
     nv = nvme_capacity(h, len(units), len(config.swap_paths)) if modes.nvme_used else 0
     host_budget = config.host_memory
     n = sum(p.numel() for p in model.parameters())
-    state = sum(state_bytes(p.state_numel, modes.moment_dtype) for p in places if p.trainable)
+    state = sum(state_bytes(p.state_numel, modes.moment_dtype, master_dtype=modes.master_dtype)
+                for p in places if p.trainable)
     return {
         "device": {"minimum": d.minimum, "everything": d.everything, "budget": config.device_memory},
         "host": {"permanent": h.permanent, "minimum": h.minimum,
@@ -65,7 +66,7 @@ def estimate(model: torch.nn.Module, config: Config, world: int = 1) -> Dict[str
         "nvme": {"capacity": nv, "per_path": -(-nv // len(config.swap_paths)) if nv else 0, "budget": None},
         "units": {"count": len(units), "parameters": n},
         # master and moments (int8: and scales) in their host or NVMe homes, this rank's share
-        "optimizer_state": {"moment_dtype": modes.moment_dtype, "bytes": state,
+        "optimizer_state": {"moment_dtype": modes.moment_dtype, "master_dtype": modes.master_dtype, "bytes": state,
                             "bytes_per_parameter": state / n if n else 0.0},
     }
 
@@ -131,7 +132,7 @@ def render(est: Dict[str, Dict[str, Optional[int]]]) -> str:
     o = est.get("optimizer_state")
     lines = [f"{u['parameters']:,} parameters in {u['count']} paging units"
              + (f"; optimizer state {format_bytes(o['bytes'])} ({o['bytes_per_parameter']:.2f} bytes a parameter: "
-                f"fp32 master, {o['moment_dtype']} moments)" if o else ""), "",
+                f"{o.get('master_dtype', 'fp32')} master, {o['moment_dtype']} moments)" if o else ""), "",
              f"{'TIER':7}{'FIGURE':12}{'BYTES':>16}  {'':12}MEANING"]
     for tier, key, what in rows:
         v = est[tier][key]

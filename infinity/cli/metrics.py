@@ -56,6 +56,8 @@ class Metrics:
             "peak_bytes": stats["peak_bytes"], "budget_bytes": stats["budget_bytes"],
             "step_bytes_moved": stats["step_bytes_moved"], "loss_scale": stats["loss_scale"],
             "skipped_steps": stats["skipped_steps"], "rss_bytes": _rss(),
+            # optimizer state as the tiers hold it (Config.master_dtype, moment_dtype)
+            "state_bytes_per_parameter": stats.get("state_bytes_per_parameter"),
         }
         pred = stats.get("predicted_step")
         rec["step_s"] = stats.get("step_seconds")

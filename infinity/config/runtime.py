@@ -38,6 +38,7 @@ _OVERLAP = ("step", "backward", "delayed")
 # io/engine.chunk_bytes), so a unit updated chunk by chunk gives the same bytes.
 STATE_CHUNK_ALIGN = 256 << 10
 _MOMENT_DTYPES = ("fp32", "bf16", "int8")  # infinity.optim.moments.MOMENT_DTYPES (config sits below optim)
+_MASTER_DTYPES = ("fp32", "bf16")  # infinity.optim.master.MASTER_DTYPES
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> str:
@@ -69,6 +70,12 @@ class Config:
         bytes a parameter), ``"bf16"`` (4 bytes) or ``"int8"`` (block-scaled
         8-bit codes, 256 elements a block with an fp32 scale: ~2.03 bytes).
         Needs ``offload_optimizer`` ``"host"`` or ``"nvme"``.
+    master_dtype: the optimizer's master weights: ``"fp32"`` (4 bytes a
+        parameter) or ``"bf16"`` (2 bytes: updated in fp32 and stored by
+        stochastic rounding from a counter-based hash of ``seed``, each
+        parameter's position and step and each element's index, so a run
+        and its resume are reproducible). ``"bf16"`` needs ``dtype="bf16"``
+        and ``offload_optimizer`` ``"host"`` or ``"nvme"``.
     state_chunk_bytes: with ``offload_optimizer="nvme"``, a unit whose
         optimizer state (its shard) is larger than this many fp32 bytes is
         read, updated and written back in chunks of this size (a multiple
@@ -105,7 +112,9 @@ class Config:
     min_loss_scale: the dynamic scale never falls below this.
     seed: a seed for lazy initialisation, applied only when asked:
         ``infinity.init(config, seed=config.seed)`` (an unseeded ``infinity.init``
-        keeps the program's own ``torch.manual_seed``).
+        keeps the program's own ``torch.manual_seed``); with
+        ``master_dtype="bf16"`` also the stochastic rounding's seed (a
+        checkpoint keeps it and a resume takes it from there).
     """
 
     device: str = "auto"
@@ -115,6 +124,7 @@ class Config:
     offload_params: str = "host"
     offload_optimizer: str = "host"
     moment_dtype: str = "fp32"
+    master_dtype: str = "fp32"
     state_chunk_bytes: Union[int, str] = "64MiB"
     swap_paths: Sequence[str] = field(default_factory=lambda: ["./infinity-swap"])
     swap_block_size: Union[int, str] = "8MiB"
@@ -178,6 +188,7 @@ class Config:
         _choice("offload_optimizer", self.offload_optimizer, _OFFLOAD)
         _choice("overlap", self.overlap, _OVERLAP)
         _choice("moment_dtype", self.moment_dtype, _MOMENT_DTYPES)
+        _choice("master_dtype", self.master_dtype, _MASTER_DTYPES)
         for name in ("device_memory", "host_memory", "prefetch_bytes"):
             v = getattr(self, name)
             if v is not None:
@@ -259,6 +270,11 @@ class Config:
         if self.moment_dtype != "fp32" and self.offload_optimizer == "none":
             raise ValueError(f"Config.moment_dtype={self.moment_dtype!r} needs offload_optimizer 'host' or 'nvme' "
                              "(the CPU AdamW keeps low-bit moments; the device optimizer is torch's fp32 one)")
+        if self.master_dtype == "bf16" and (self.offload_optimizer == "none" or self.dtype != "bf16"):
+            raise ValueError(f"Config.master_dtype='bf16' needs offload_optimizer 'host' or 'nvme' and dtype='bf16' "
+                             f"(got offload_optimizer={self.offload_optimizer!r}, dtype={self.dtype!r}): the CPU "
+                             "AdamW's bf16-master kernel updates a bf16 master whose bits are the compute copy's; "
+                             "the device optimizer is torch's fp32 one")
         if self.offload_optimizer == "none" and self.offload_params == "nvme":
             raise ValueError("Config: offload_params='nvme' needs offload_optimizer='host' or 'nvme' (the "
                              "optimizer writes the new compute copy on the host, from where it goes to NVMe)")

@@ -105,23 +105,25 @@ class Values:
 
     def _alloc_state(self, u):
         """Master, moments and gradient buffers of ``u`` in their tiers; the
-        full-size fp32 tensor to fill the master from (None: no trainable)."""
+        full-size tensor (the master's dtype) to fill the master from (None: no trainable)."""
         p, m, tn = self.p, self.p.modes, u.place.trainable_numel
         if not tn:
             return None
         sn, f32 = u.place.state_numel, torch.float32
+        mdt = kind_dtype("master", m.moment_dtype, m.master_dtype)  # fp32, or bf16 (Config.master_dtype)
         if m.opt_nvme:
             shard = p.room.alloc(sn, f32) if m.zero else None
             p.grads.set_permanent(u, p.room.alloc(tn, f32) if stage1_full_grads(m) else None, shard=shard)
-            return torch.zeros(tn, dtype=f32)  # the own shard goes to NVMe (see _fill)
+            return torch.zeros(tn, dtype=mdt)  # the own shard goes to NVMe (see _fill)
         if m.host_optimizer:
             # [Note: low-bit moments in the engine] in opt_kinds.py: zeros are moments of zero.
-            st = [p.room.alloc(kind_numel(k, sn), kind_dtype(k, m.moment_dtype)) for k in state_kinds(m.moment_dtype)]
+            st = [p.room.alloc(kind_numel(k, sn), kind_dtype(k, m.moment_dtype, m.master_dtype))
+                  for k in state_kinds(m.moment_dtype)]
             p.optstate.set_resident(u, *st)
             if m.zero:  # See [Note: ZeRO shards in infinity].
                 p.grads.set_permanent(u, p.room.alloc(tn, f32) if stage1_full_grads(m) else None,
                                       shard=p.room.alloc(sn, f32))
-                return torch.zeros(tn, dtype=f32)
+                return torch.zeros(tn, dtype=mdt)
             p.grads.set_permanent(u, p.room.alloc(tn, m.grad_dtype),
                                   p.room.alloc(tn, m.grad_dtype) if m.delayed else None)
             return st[0]
@@ -231,7 +233,7 @@ class Values:
             return None
         p.optstate.forget_read_ahead(u)  # else the next step would use the old values read ahead
         if covers and o.state is not OptState.NONE and (o.master is None or p.modes.zero):
-            return _blank(scratch, u.place.trainable_numel, torch.float32, u.layout.trainable_slots)
+            return _blank(scratch, u.place.trainable_numel, p.optstate.dtype_of("master"), u.layout.trainable_slots)
         return p.optstate.read(u, "master")
 
     def _old_home(self, u, covers: bool, scratch) -> Optional[torch.Tensor]:

@@ -15,7 +15,7 @@ FIELDS = [f.name for f in dataclasses.fields(Config)]
 GOOD = {
     "device": ["cpu", "auto", "cuda:1"], "dtype": ["bf16", "fp16", "fp32"], "device_memory": ["8GiB", 1 << 20, None],
     "host_memory": ["1.5GB", 10**9, None], "offload_params": ["none", "host", "nvme"],
-    "offload_optimizer": ["none", "host", "nvme"], "moment_dtype": ["fp32", "bf16", "int8"], "swap_paths": [["/a"], ("/a", "/b")],
+    "offload_optimizer": ["none", "host", "nvme"], "moment_dtype": ["fp32", "bf16", "int8"], "master_dtype": ["fp32", "bf16"], "swap_paths": [["/a"], ("/a", "/b")],
     "swap_block_size": ["1MiB", 4096, 1 << 30], "state_chunk_bytes": ["64MiB", 256 << 10, 1 << 30], "swap_queue_depth": [1, 32, 1024],
     "swap_backend": ["auto", "threads"], "swap_checksum": [True, False], "prefetch_depth": [0, 2, 1024],
     "prefetch_bytes": [None, "64MiB"], "max_grad_norm": [None, 1.0, 0.5], "overlap": ["step", "backward"],

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import infinity
 from infinity.engine.plan.opt_kinds import QBLOCK
-from engine_utils import batches, small_gpt, train_states
+from engine_utils import batches, small_gpt, step_with_reference, train_states
 import zero_worker
 
 LR, WD = 1e-3, 0.1
@@ -66,15 +66,7 @@ def test_engine_is_cpu_adamw_bit_for_bit(md, overlap):
     ref_opt = infinity.CPUAdamW(ref.parameters(), lr=LR, weight_decay=WD, moment_dtype=md)
     cfg = infinity.Config(device="cpu", dtype="fp32", moment_dtype=md, host_memory="256MiB", overlap=overlap)
     model, opt = infinity.initialize(model, cfg, lr=LR, weight_decay=WD)
-    for x, y in batches(3):
-        loss, ref_loss = model(x, y), ref(x, y)
-        loss.backward()
-        ref_loss.backward()
-        assert loss.item() == ref_loss.item()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    step_with_reference(model, opt, ref, ref_opt, batches(3))
     got, want = infinity.full_state_dict(model), ref.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     sd, ref_sd = opt.state_dict(), ref_opt.state_dict()

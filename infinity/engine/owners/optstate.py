@@ -37,9 +37,9 @@ from typing import Optional
 
 import torch
 
-from ...optim import moments as qmoments
 from ..mechanism.nvme import key as swap_key
 from ..plan.opt_kinds import MASTER_KINDS, kind_dtype, kind_numel, scale_kind, state_kinds
+from .state_codec import encode_moment, to_fp32
 from ..plan.placement import nbytes, round_pool
 from ..plan.state import OptState, transition
 from ..mechanism.tiers import BudgetError
@@ -72,10 +72,14 @@ class OptimizerState:
     def __init__(self, units, modes, room, cache, nvme, sharding):
         self.units, self.modes, self.room, self.host_cache = units, modes, room, cache
         self.nvme, self.sharding = nvme, sharding
-        self.moment_dtype = modes.moment_dtype
+        self.moment_dtype, self.master_dtype = modes.moment_dtype, modes.master_dtype
         self.kinds = state_kinds(self.moment_dtype)  # [Note: low-bit moments in the engine] in opt_kinds.py
         for u in units:
             u.opt = OptRecord()
+
+    def dtype_of(self, kind: str) -> torch.dtype:
+        """The stored dtype of ``kind`` (Config.moment_dtype's moments, Config.master_dtype's master)."""
+        return kind_dtype(kind, self.moment_dtype, self.master_dtype)
 
     def drop_buffers(self) -> None:
         """After teardown: forgets every unit's optimizer-state buffers (see Engine._drop_buffers)."""
@@ -161,7 +165,7 @@ class OptimizerState:
             return handles  # read chunk by chunk in stream()
         for kind in kinds:
             fresh = kind != "master" and o.fresh
-            t, buf = self.room.acquire(kind_numel(kind, tn), kind_dtype(kind, self.moment_dtype), zero=fresh,
+            t, buf = self.room.acquire(kind_numel(kind, tn), self.dtype_of(kind), zero=fresh,
                                        protect=u)
             setattr(o, kind, t)
             bufs.append(buf)
@@ -229,7 +233,7 @@ class OptimizerState:
         for kind in kinds:
             fresh = kind != "master" and u.opt.fresh
             t, buf = self.room.acquire(kind_numel(kind, c1) - kind_numel(kind, c0),
-                                       kind_dtype(kind, self.moment_dtype), zero=fresh, protect=u)
+                                       self.dtype_of(kind), zero=fresh, protect=u)
             ts.append(t)
             bufs.append(buf)
             if not fresh:
@@ -249,7 +253,7 @@ class OptimizerState:
         done = []
         for kind in self._home_kinds(u):
             for k, a, b in self.pieces(u, kind):
-                if not self.nvme.reserve(k, nbytes(b - a, kind_dtype(kind, self.moment_dtype))):
+                if not self.nvme.reserve(k, nbytes(b - a, self.dtype_of(kind))):
                     for d in done:
                         self.nvme.unreserve(d)
                     return False
@@ -342,8 +346,8 @@ class OptimizerState:
             return True
 
     def _read_ahead_bytes(self, u) -> int:
-        p, md = u.place, self.moment_dtype
-        need = sum(round_pool(nbytes(kind_numel(k, p.state_numel), kind_dtype(k, md)))
+        p = u.place
+        need = sum(round_pool(nbytes(kind_numel(k, p.state_numel), self.dtype_of(k)))
                    for k in (self.kinds[1:] if p.aliased else self.kinds))
         if p.aliased and u.host.compute is None:
             need += round_pool(nbytes(p.compute_numel, self.modes.dtype))
@@ -396,7 +400,7 @@ class OptimizerState:
         p = u.place
         if kind == "master" and p.aliased:
             return self.host_cache.read_compute(u)[:p.trainable_numel]
-        numel, dtype = kind_numel(kind, p.state_numel), kind_dtype(kind, self.moment_dtype)
+        numel, dtype = kind_numel(kind, p.state_numel), self.dtype_of(kind)
         if kind != "master" and u.opt.fresh:
             return torch.zeros(numel, dtype=dtype)
         out = torch.empty(numel, dtype=dtype)
@@ -455,6 +459,14 @@ class OptimizerState:
                 out[kind] += t.numel() * t.element_size()
         return out
 
+    def bytes_per_parameter(self) -> float:
+        """Bytes of optimizer state (master, moments, scales) this rank keeps
+        in memory and on NVMe, as those tiers counted them, per element of its
+        state (an aliased master is the compute copy's: not counted); 0.0 without state."""
+        numel = sum(u.place.state_numel for u in self.units if u.place.trainable)
+        held = sum(self.kept_bytes().values()) + sum(self.nvme_bytes().values())
+        return held / numel if numel else 0.0
+
     def nvme_bytes(self) -> dict:
         """Bytes of each kind the swap files hold (as the NVMe tier counted
         them when written; an aliased master is the compute copy's)."""
@@ -472,27 +484,3 @@ def _settle(handles) -> None:
             h.wait()
         except Exception:  # noqa: BLE001
             pass
-
-
-def to_fp32(kind: str, t: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp32 values of a stored moment ``kind`` (bf16, or int8 codes with
-    their ``scales``): what ``CPUAdamW.state_dict`` gives (infinity/optim/moments.py)."""
-    if t.dtype != torch.uint8:
-        return t.float()
-    x = qmoments.dequantize(t, scales, signed=kind == "exp_avg")
-    return x if kind == "exp_avg" else x * x  # exp_avg_sq is kept as codes of its square root
-
-
-def encode_moment(kind: str, x: torch.Tensor, moment_dtype: str) -> dict:
-    """fp32 moment ``x`` of ``kind`` stored as ``moment_dtype``: {kind: tensor}
-    and, for int8, its scales; the same bytes as ``moments.encode`` (one
-    block grid: ``x`` starts on a block)."""
-    if moment_dtype == "fp32":
-        return {kind: x}
-    if moment_dtype == "bf16":
-        return {kind: x.to(torch.bfloat16)}
-    x = x.to(torch.float32)
-    if kind == "exp_avg_sq":
-        x = x.double().sqrt().float()  # sqrt in double, rounded once: as moments.encode
-    codes, scales = qmoments.quantize(x, signed=kind == "exp_avg")
-    return {kind: codes, scale_kind(kind): scales}

@@ -13,7 +13,9 @@ and ``trainable_numel`` is padded to QBLOCK x world so every ZeRO shard
 starts on a block too. Padding is zero in every buffer (code 0 is 0.0) and
 stays zero under the update, so a block never mixes two parameters and the
 bytes are the same whatever the placement (host, NVMe), the run of slots
-updated together, or the shard a block falls in. The fp32 master stays fp32.
+updated together, or the shard a block falls in. The master is fp32, or
+bf16 under ``Config.master_dtype="bf16"`` ([Note: a bf16 master in the engine]
+in step/update.py); every function here takes that as ``master_dtype``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = ["MASTER_KINDS", "state_kinds", "kind_dtype", "kind_numel", "state_byt
 MASTER_KINDS = ("master", "exp_avg", "exp_avg_sq")  # the kinds of fp32 and bf16 moments
 _SCALES = ("exp_avg_scale", "exp_avg_sq_scale")
 _MOMENT = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+_MASTER = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def state_kinds(moment_dtype: str) -> Tuple[str, ...]:
@@ -42,9 +45,11 @@ def scale_kind(kind: str) -> str:
     return kind + "_scale"
 
 
-def kind_dtype(kind: str, moment_dtype: str) -> torch.dtype:
-    """dtype of the ``kind`` buffer: fp32 for the master and the scales, else the moments' own."""
-    if kind == "master" or kind in _SCALES:
+def kind_dtype(kind: str, moment_dtype: str, master_dtype: str = "fp32") -> torch.dtype:
+    """dtype of the ``kind`` buffer: the master's (``master_dtype``), fp32 for the scales, else the moments' own."""
+    if kind == "master":
+        return _MASTER[master_dtype]
+    if kind in _SCALES:
         return torch.float32
     return _MOMENT[moment_dtype]
 
@@ -54,10 +59,10 @@ def kind_numel(kind: str, numel: int) -> int:
     return num_blocks(numel) if kind in _SCALES else numel
 
 
-def state_bytes(numel: int, moment_dtype: str, master: bool = True) -> int:
-    """Bytes of master (unless ``master=False``), moments and scales of a state of ``numel`` elements."""
+def state_bytes(numel: int, moment_dtype: str, master: bool = True, master_dtype: str = "fp32") -> int:
+    """Bytes of master (unless ``master=False``; ``master_dtype``), moments and scales of a state of ``numel`` elements."""
     kinds = state_kinds(moment_dtype)[0 if master else 1:]
-    return sum(kind_numel(k, numel) * torch.empty((), dtype=kind_dtype(k, moment_dtype)).element_size()
+    return sum(kind_numel(k, numel) * torch.empty((), dtype=kind_dtype(k, moment_dtype, master_dtype)).element_size()
                for k in kinds)
 
 

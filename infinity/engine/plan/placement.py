@@ -84,6 +84,7 @@ class Modes:
     speculate: bool = False   # updates during backward before the clip/overflow check ([Note: speculative updates])
     reduce_on_device: bool = False  # gradients reduced on the device ([Note: where gradients are reduced])
     moment_dtype: str = "fp32"  # Config.moment_dtype ([Note: low-bit moments in the engine] in opt_kinds.py)
+    master_dtype: str = "fp32"  # Config.master_dtype ([Note: a bf16 master in the engine] in step/update.py)
     state_chunk: int = 0      # NVMe state streamed in chunks of this many elements (Config.state_chunk_bytes / 4);
     #                           0: whole units. See [Note: state streamed in chunks]
 
@@ -133,7 +134,7 @@ def modes_of(config, world: int, device: torch.device) -> Modes:
                  config.prefetch_bytes, speculation_needed(config) and speculation_unsupported(config, world) is None,
                  host_reduction_reason(config.zero_stage, world, config.grad_accumulation_steps,
                                        config.offload_optimizer, config.overlap) is None,
-                 config.moment_dtype, config.state_chunk_bytes // 4)
+                 config.moment_dtype, config.master_dtype, config.state_chunk_bytes // 4)
 
 
 def host_reduction_reason(stage: int, world: int, accum_steps: int, optimizer: str = "host",
@@ -202,6 +203,8 @@ def speculation_unsupported(config, world: int) -> Optional[str]:
         return "offload_optimizer='none' (speculation needs 'host' or 'nvme')"
     if config.offload_params == "nvme":
         return "offload_params='nvme' (speculation needs 'none' or 'host')"
+    if getattr(config, "master_dtype", "fp32") == "bf16":
+        return "master_dtype='bf16' (the bf16-master kernel saves no undo state)"
     return None
 
 
@@ -334,8 +337,10 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
         if modes.host_optimizer and p.trainable:
             perm, zero_transient = perm + _permanent_state(p, modes, tb, sb), zero_transient + _zero_full(modes, tb)
         if modes.opt_nvme and p.trainable:
-            # ZeRO keeps its gradient shard on the host; an aliased master is the compute copy.
-            k = (0 if modes.zero else sb) + state_pool_bytes(p, modes, sb, master=not p.aliased)
+            # ZeRO keeps its gradient shard on the host; an aliased master is the compute copy. The
+            # gradients go in their host dtype ([Note: gradients in the compute dtype]).
+            gb = round_pool(nbytes(p.trainable_numel, modes.grad_dtype))
+            k = (0 if modes.zero else gb) + state_pool_bytes(p, modes, sb, master=not p.aliased)
             cache_all, nvme = cache_all + k, nvme + k
             chunk_keys += (len(p.windows) - 1) * len(state_kinds(modes.moment_dtype))
     pipeline = PIPELINE_GRAD_BUFFERS * largest_t + PIPELINE_STATE_BUFFERS * largest_s + largest_c
@@ -364,7 +369,8 @@ def _cow_bytes(places: List[UnitPlacement], modes: Modes) -> int:
     copy-on-write keys] in io/swap/store.py); 0 without them."""
     if not (modes.speculate and modes.opt_nvme):
         return 0
-    return sum(state_bytes(p.state_numel, modes.moment_dtype, master=not p.aliased) for p in places if p.trainable)
+    return sum(state_bytes(p.state_numel, modes.moment_dtype, master=not p.aliased, master_dtype=modes.master_dtype)
+               for p in places if p.trainable)
 
 
 def grad_staging(places: List[UnitPlacement], modes: Modes) -> Tuple[int, int]:
@@ -391,7 +397,8 @@ def undo_bytes(p: UnitPlacement, modes: Modes) -> int:
     on disk: ``HostNeed.cow_bytes``)."""
     if modes.opt_nvme:
         return round_pool(nbytes(p.state_numel, modes.dtype))
-    return round_pool(state_bytes(p.state_numel, modes.moment_dtype) + nbytes(p.state_numel, modes.dtype))
+    return round_pool(state_bytes(p.state_numel, modes.moment_dtype, master_dtype=modes.master_dtype)
+                      + nbytes(p.state_numel, modes.dtype))
 
 
 def spillable(modes: Modes) -> bool:
@@ -418,10 +425,11 @@ def state_pool_bytes(p: UnitPlacement, modes: Modes, fp32_buf: int, master: bool
     pool bytes (as the fp32 figures have always been counted). Low-bit
     moments: each kind's own bytes, rounded to the pool ([Note: low-bit
     moments in the engine] in opt_kinds.py)."""
-    if modes.moment_dtype == "fp32":
+    if modes.moment_dtype == "fp32" and modes.master_dtype == "fp32":
         return (3 if master else 2) * fp32_buf
     kinds = state_kinds(modes.moment_dtype)[0 if master else 1:]
-    return sum(round_pool(nbytes(kind_numel(k, p.state_numel), kind_dtype(k, modes.moment_dtype))) for k in kinds)
+    return sum(round_pool(nbytes(kind_numel(k, p.state_numel), kind_dtype(k, modes.moment_dtype, modes.master_dtype)))
+               for k in kinds)
 
 
 def stage1_full_grads(modes: Modes) -> bool:

@@ -299,7 +299,7 @@ class _Builder:
 
     def _state_bytes(self, i: int) -> int:
         pl = self.places[i]
-        return state_bytes(pl.state_numel, self.m.moment_dtype, master=not pl.aliased)
+        return state_bytes(pl.state_numel, self.m.moment_dtype, master=not pl.aliased, master_dtype=self.m.master_dtype)
 
     def _update(self, i: int, deps: list, read_deps: Optional[list] = None) -> int:
         """Unit ``i``'s AdamW on the host thread (with its NVMe state read before and written after)."""

@@ -64,6 +64,7 @@ class InfinityOptimizer(torch.optim.Optimizer):
                                          env_set=bool(os.environ.get("INFINITY_NUM_THREADS")))
         self.updater = Updater(engine.modes, engine.sharding, self.param_groups, engine.stats, chunk,
                                self.threads, engine.values_changed)
+        self.updater.master_seed = cfg.seed % (1 << 64)  # bf16 master: [Note: a bf16 master in the engine] in update.py
         self.scaling = Scaling(cfg, engine.sharding, engine.grads, self.updater.counted_runs, engine.stats)
         self.schedule = make_schedule(engine.parts, self.updater, cfg.overlap, cfg.grad_accumulation_steps,
                                       early_ok=not self.scaling.waits_for_step,

@@ -4,10 +4,29 @@ the device), and the checksums it returns for the NVMe write-back.
 
 Reads the unit's buffers; writes only the master, the moments and the new
 compute copy it is handed, and the slots' step counts.
+
+[Note: a bf16 master in the engine]
+With ``Config.master_dtype="bf16"`` (which needs ``dtype="bf16"``) the
+master of each unit is a bf16 buffer (2 bytes a parameter, in every home:
+host, NVMe, checkpoints) updated by the native bf16-master kernel
+(``inf_adam_step_bf16p``): fp32 maths on the widened master, stored by
+stochastic rounding keyed by (seed, stream, step, index): the native note
+"stochastic rounding of the bf16 master" in native/src/adam_bf16p.inc. The
+engine hands the kernel one tensor per parameter (a slot, cut to the shard
+and chunk), with stream = the parameter's position over the optimizer's
+param groups and index = the element's position in the parameter, and the
+run's seed (``Config.seed``, a checkpoint's on resume): exactly what
+``CPUAdamW(master_dtype="bf16", seed=)`` hands it for the same model, so the
+bytes do not depend on the unit layout, ZeRO shards, state chunks or homes.
+The compute copy is then the master's bits, copied out. The kernel takes
+no checksums (the swap store sums the buffers it writes, as for low-bit
+moments) and saves no undo state, so updates are not speculative
+(``speculation_unsupported``). The master aliasing of NVMe homes stays fp32-only.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -56,6 +75,8 @@ class Updater:
         self.num_threads = num_threads
         self.values_changed = values_changed    # Engine.values_changed
         self._stat_lock = threading.Lock()
+        self.master_seed = 0      # bf16 master: the rounding seed (set by the optimizer; a checkpoint's on resume)
+        self._streams: Optional[Dict[int, int]] = None  # id(param) -> its position over the param groups
 
     # -- shard arithmetic ---------------------------------------------------------------
 
@@ -106,7 +127,10 @@ class Updater:
         # producer] in native/src/adam.cpp). Padding is zero in every buffer
         # and stays zero under the update, so the call may span all of it.
         # Low-bit moments: the swap store takes the sums itself (the kernel takes fp32 ones only).
-        fp32_state = self.modes.moment_dtype == "fp32" and (o.master is None or o.master.device.type == "cpu")
+        fp32_state = (self.modes.moment_dtype == "fp32" and self.modes.master_dtype == "fp32"
+                      and (o.master is None or o.master.device.type == "cpu"))
+        if self.modes.master_dtype == "bf16":  # one kernel tensor per parameter: [Note: a bf16 master in the engine]
+            groups = {k: _per_slot(u, rs) for k, rs in groups.items()}
         chunk = self.sum_chunk_bytes if fp32_state else None
         whole = chunk is not None and len(groups) == 1 and all(written)
 
@@ -181,6 +205,8 @@ class Updater:
         if o.master.device.type == "cuda":
             _device_step(ps, gs, ms, vs, step, h, grad_scale)
             return None
+        if o.master.dtype == torch.bfloat16:
+            return self._bf16_master_step(u, ranges, st, (ps, gs, ms, vs), outs, step, h, grad_scale, undo)
         take_sums = chunk is not None and len(st) == 1 and st[0] == (0, o.master.numel())
         saves = undo.take(st, out_ranges if out is not None else None) if undo is not None else None
         got = adamw_step_(ps, gs, ms, vs, step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
@@ -189,6 +215,46 @@ class Updater:
                           num_threads=self.num_threads, validate=False,
                           sum_chunk_bytes=chunk if take_sums else None, saves=saves, **_scales(u, st))
         return dict(zip(KINDS, got[0])) if got else None
+
+
+    def _bf16_master_step(self, u, ranges, st, tensors, outs, step: int, h, grad_scale: float, undo) -> None:
+        """The kernel call of a bf16 master: one tensor per parameter piece
+        (``ranges``, global, each inside one slot), its stream and offset;
+        then the compute copy ``outs`` from the master. See [Note: a bf16 master in the engine]."""
+        if undo is not None:
+            raise RuntimeError("internal: a speculative update of a bf16 master (no undo state is saved)")
+        slots = u.layout.trainable_slots
+        starts = [s.offset for s in slots]
+        streams, offsets = [], []
+        for a, _ in ranges:
+            s = slots[bisect.bisect_right(starts, a) - 1]
+            streams.append(self._stream_of(s.param))
+            offsets.append(a - s.offset)
+        ps = tensors[0]
+        adamw_step_(*tensors, step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                    weight_decay=h.weight_decay, adamw_mode=h.adamw_mode, grad_scale=grad_scale * h.sign,
+                    num_threads=self.num_threads, validate=False, seed=self.master_seed, streams=streams,
+                    offsets=offsets, **_scales(u, st))
+        for out, p in zip(outs or [], ps):
+            out.copy_(p)
+        return None
+
+    def _stream_of(self, param) -> int:
+        """``param``'s position over the optimizer's param groups (CPUAdamW's stream of it)."""
+        if self._streams is None:
+            self._streams = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return self._streams[id(param)]
+
+
+def _per_slot(u, ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """``ranges`` (global, runs of slots) cut at the trainable slots' edges, the padding between them left out."""
+    out = []
+    for s in u.layout.trainable_slots:
+        a, b = s.offset, s.offset + s.numel
+        for r0, r1 in ranges:
+            if max(a, r0) < min(b, r1):
+                out.append((max(a, r0), min(b, r1)))
+    return out
 
 
 def _scales(u, st: List[Tuple[int, int]]) -> dict:
