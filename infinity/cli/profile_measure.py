@@ -8,8 +8,9 @@ minute. Each figure is measured the way the engine uses the hardware:
   cost next to nothing, timed and divided by its op count (costs.py counts
   them the way the model counts a real one): dispatch, autograd and module
   calls;
-- the engine's own time per parameter tensor in forward and in backward:
-  tiny units through infinity against plain PyTorch (param_overhead);
+- the engine's own time per parameter tensor and per op of a unit, in
+  forward and in backward: tiny units through infinity against plain
+  PyTorch (engine_probe.py);
 - copies: on CUDA pinned copies per direction; on the CPU a memcpy on one
   worker thread, as the mover's threads copy;
 - the native AdamW, parameters/s, with bf16 and fp32 gradients and a bf16
@@ -34,6 +35,7 @@ import torch.nn as nn
 from ..engine.plan.costs import count_pass
 from ..engine.plan.profile import Profile
 from ..optim import adamw_step_
+from .engine_probe import engine_overhead
 from .net_probe import net_rates
 from .perf import disk_bandwidth
 
@@ -107,65 +109,6 @@ def op_overhead(device: torch.device, dtype: torch.dtype) -> float:
     def step():
         model(x).backward()
     return _timed(step, device, 20, window=1.5) / ops
-
-
-class _Blocks(nn.Module):
-    """Units of 12 parameter tensors each (a transformer block's count), whose ops cost next to nothing."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(*[m for _ in range(6) for m in (nn.LayerNorm(8), nn.Linear(8, 8))])
-                                    for _ in range(6))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = x + b(x)
-        return x.sum()
-
-
-def param_overhead(device: torch.device, dtype: str, reps: int = 7) -> Dict[str, float]:
-    """Seconds the engine adds per parameter tensor of a unit, in forward
-    and in backward: a model of tiny units (12 tensors each) through infinity
-    (parameters and optimizer on the host) against the same model in plain
-    PyTorch, interleaved, medians; its ops cost next to nothing, so the
-    difference is the engine's own time. See [Note: the engine's time per
-    parameter] in engine/plan/step_time.py."""
-    import copy as _copy
-    import statistics
-
-    from ..api import close, initialize
-    from ..config.runtime import Config
-    tiny = _Blocks()
-    tensors = sum(1 for _ in tiny.parameters())
-    plain = _copy.deepcopy(tiny).to(device=device, dtype=_DTYPES[dtype])
-    cfg = Config(device=device.type, dtype=dtype, offload_params="host", offload_optimizer="host",
-                 unit_classes=["Sequential"])
-    model, opt = initialize(tiny, cfg, lr=0.0)  # an fp32 model: the engine casts its compute copy
-    x = torch.randn(2, 8, device=device, dtype=_DTYPES[dtype])
-    ours, base = [], []
-    try:
-        for _ in range(reps + 2):
-            base.append(_passes(plain, x, device))
-            ours.append(_passes(model, x, device))
-            opt.step()
-            opt.zero_grad()
-            plain.zero_grad(set_to_none=True)
-    finally:
-        close(model)
-    med = statistics.median
-    return {ph: max(0.0, med(o[k] for o in ours[2:]) - med(b[k] for b in base[2:])) / tensors
-            for k, ph in enumerate(("forward", "backward"))}
-
-
-def _passes(model: nn.Module, x: torch.Tensor, device: torch.device):
-    """(forward s, backward s) of one pass of ``model`` on ``x``."""
-    t0 = time.perf_counter()
-    loss = model(x)
-    _sync(device)
-    t1 = time.perf_counter()
-    loss.backward()
-    _sync(device)
-    return t1 - t0, time.perf_counter() - t1
 
 
 def copy_rates(device: torch.device, nbytes: int = 64 << 20) -> Dict[str, float]:
@@ -271,14 +214,14 @@ def interference(device: torch.device, dtype: torch.dtype, threads: Optional[int
 def compute_speeds(device: torch.device, dtype: str, sizes=GEMM_SIZES) -> Dict[str, object]:
     """The compute side of a profile, alone (a few seconds): ``gemm_flops``
     ({dtype: [[n, FLOP/s]]}, fp32's too), ``mem_bw`` (bytes/s) and
-    ``op_overhead_s`` (s) and ``param_overhead_s`` ({"forward", "backward"}: s), as
-    :func:`measure_profile` measures them."""
+    ``op_overhead_s`` (s), ``param_overhead_s`` and ``engine_op_overhead_s``
+    ({"forward", "backward"}: s), as :func:`measure_profile` measures them."""
     dt = _DTYPES[dtype]
     gemm = {dtype: gemm_rates(device, dt, sizes)}
     if dtype != "fp32":
         gemm["fp32"] = gemm_rates(device, torch.float32, sizes)
     return {"gemm_flops": gemm, "mem_bw": memory_bandwidth(device), "op_overhead_s": op_overhead(device, dt),
-            "param_overhead_s": param_overhead(device, dtype)}
+            **engine_overhead(device, dtype)}
 
 
 def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], threads: Optional[int] = None,
@@ -295,6 +238,7 @@ def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], thr
         source=f"infinity doctor --profile, {time.strftime('%Y-%m-%d %H:%M:%S')}; swap paths {swap_paths}",
         device=device.type, gemm_flops=comp["gemm_flops"], mem_bw=comp["mem_bw"],
         op_overhead_s=comp["op_overhead_s"], param_overhead_s=comp["param_overhead_s"],
+        engine_op_overhead_s=comp["engine_op_overhead_s"],
         h2d_bw=copies["h2d"], d2h_bw=copies["d2h"],
         adamw_params_per_s=adamw_rates(threads), disk_read_bw=read, disk_write_bw=write,
         net_bw=net_bw, net_latency_s=net_lat,

@@ -42,6 +42,8 @@ class Profile:
     # each parameter's use, each gradient's hand-off to the host, the hooks; measured beside plain PyTorch
     # (infinity doctor --profile; [Note: the engine's time per parameter] in step_time.py). Empty: none.
     param_overhead_s: Dict[str, float] = field(default_factory=dict)
+    # ... and per op the unit runs (the saved-tensor hooks, the guard's dispatch), per pass, s.
+    engine_op_overhead_s: Dict[str, float] = field(default_factory=dict)
     # ZeRO's links ([Note: collectives in the step model] in collectives.py): "net_device" / "net_host" ->
     # bytes/s this rank sends in a ring collective, and the fixed cost of one collective, s.
     net_bw: Dict[str, float] = field(default_factory=dict)
@@ -54,13 +56,15 @@ class Profile:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"profile {self.name!r}: {k}={v!r} must be a positive number (bytes/s)")
-        for k, v in [("op_overhead_s", self.op_overhead_s)] + [(f"param_overhead_s[{p!r}]", v)
-                                                                for p, v in self.param_overhead_s.items()]:
+        per_pass = [(f"{k}[{p!r}]", v) for k in ("param_overhead_s", "engine_op_overhead_s")
+                    for p, v in getattr(self, k).items()]
+        for k, v in [("op_overhead_s", self.op_overhead_s)] + per_pass:
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"profile {self.name!r}: {k}={v!r} must be a number >= 0 (seconds)")
-        if set(self.param_overhead_s) - {"forward", "backward"}:
-            raise ValueError(f"profile {self.name!r}: param_overhead_s takes the keys 'forward' and 'backward', "
-                             f"not {sorted(set(self.param_overhead_s) - {'forward', 'backward'})}")
+        for k in ("param_overhead_s", "engine_op_overhead_s"):
+            if set(getattr(self, k)) - {"forward", "backward"}:
+                raise ValueError(f"profile {self.name!r}: {k} takes the keys 'forward' and 'backward', "
+                                 f"not {sorted(set(getattr(self, k)) - {'forward', 'backward'})}")
         if not self.gemm_flops:
             raise ValueError(f"profile {self.name!r}: gemm_flops is empty; give [[size, FLOP/s], ...] per dtype")
         for key in self.slow:

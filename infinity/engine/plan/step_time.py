@@ -267,7 +267,10 @@ class _Builder:
     def _engine_seconds(self, i: int, backward: bool) -> float:
         """The engine's own time in unit ``i``'s pass ([Note: the engine's time per parameter])."""
         phase = "backward" if backward else "forward"
-        return self.prof.param_overhead_s.get(phase, 0.0) * self.tensors[i][1 if backward else 0]
+        ops = len(getattr(self.costs, phase).get(i, [])) + (len(self.costs.backward.get(ROOT_TAIL, []))
+                                                            if backward and i == 0 else 0)
+        return (self.prof.param_overhead_s.get(phase, 0.0) * self.tensors[i][1 if backward else 0]
+                + self.prof.engine_op_overhead_s.get(phase, 0.0) * ops)
 
     def _grads_out(self, i: int, after: int) -> int:
         """Unit ``i``'s gradients to the host, reduced over the ranks after the
