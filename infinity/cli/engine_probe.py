@@ -6,8 +6,8 @@ Two models of tiny units run through infinity (parameters and optimizer on
 the host) and in plain PyTorch, interleaved, medians of each pass. Their
 ops cost next to nothing, so the difference is the engine's own time. The
 two have the same parameter tensors (6 units of 12, a transformer block's
-count) and differ only in parameter-free ops (a GELU after each linear in
-the second), so of the differences ``D = a * tensors + c * ops`` the two
+count) and differ only in parameter-free ops (4 GELUs after each linear in
+the second: 144 ops more a pass), so of the differences ``D = a * tensors + c * ops`` the two
 unknowns follow: ``c`` from the ops the second adds, ``a`` from the rest.
 The ops are counted by costs.count_pass, as the step model counts a real
 model's.
@@ -32,11 +32,11 @@ _PHASES = ("forward", "backward")
 
 
 class _Blocks(nn.Module):
-    """6 units of 6 x (LayerNorm, Linear), with a GELU after each linear when ``gelu``."""
+    """6 units of 6 x (LayerNorm, Linear), with 4 GELUs after each linear when ``gelu``."""
 
     def __init__(self, gelu: bool):
         super().__init__()
-        pair = lambda: [nn.LayerNorm(8), nn.Linear(8, 8)] + ([nn.GELU()] if gelu else [])  # noqa: E731
+        pair = lambda: [nn.LayerNorm(8), nn.Linear(8, 8)] + ([nn.GELU() for _ in range(4)] if gelu else [])  # noqa: E731
         self.blocks = nn.ModuleList(nn.Sequential(*[m for _ in range(6) for m in pair()]) for _ in range(6))
 
     def forward(self, x):
