@@ -32,24 +32,21 @@ follows the last backward):
   fetch reads the copy from disk first and each updated copy is written back.
 
 Each unit's forward and backward also pays the engine's own time per
-parameter tensor ([Note: the engine's time per parameter]).
-
-On several ranks ZeRO's collectives are tasks on the network links
-([Note: collectives in the step model] in collectives.py).
-
-[Note: the engine's time per parameter]
+parameter tensor ([Note: the engine's time per parameter]
 Beside the ops it runs, the engine spends Python time on the compute thread
-for each parameter tensor of a unit: in forward the guard on each
-parameter's use (param_guard.py), in backward each gradient's hand-off to
-the host (grads.take: staging, a ticket to the mover) and the hooks. Measured
-here (tiny units through infinity against plain PyTorch, 1 torch thread) it
-is about 0.13 ms per tensor and pass, with no measurable part per unit (units
-of 4, 12 and 24 tensors: 0.47, 1.5 and 2.8 ms a pass) nor per byte (the
-same GPT at widths 32 and 256: 15 and 20 ms a step over 52 tensors). So a
-unit's pass pays ``param_overhead_s[phase]`` (the profile's, measured so by
-``infinity doctor --profile``) times its parameter tensors in forward and
-its trainable ones in backward; a GPT block has 12, so at 4 x 256 this is a
-tenth of the step, which a per-unit figure measured on small units missed.
+for each parameter tensor of a unit (in forward the guard on each
+parameter's use, param_guard.py; in backward each gradient's hand-off to
+the host, grads.take, and the hooks) and for each op the unit runs (the
+saved-tensor hooks, saved.py). Measured here (tiny units through infinity
+against plain PyTorch, one torch thread) the parameter part is about 0.13 ms
+a tensor and pass, with no measurable part per unit (units of 4, 12 and 24
+tensors: 0.47, 1.5 and 2.8 ms a pass) nor per byte (the bench's GPT at
+widths 32 and 256: 15 and 20 ms a step over its 52 tensors). So a unit's
+pass pays ``param_overhead_s[phase]`` times its parameter tensors in forward
+(its trainable ones in backward) plus ``engine_op_overhead_s[phase]`` times
+the ops counted for it, both measured by ``infinity doctor --profile``
+(cli/engine_probe.py). A per-unit figure measured on small units (the
+earlier model) missed most of it: a GPT block has 12 tensors and ~40 ops.
 
 Left out: activation memory and the
 allocator, the data loader, checksums, host-pool back-pressure other than the
