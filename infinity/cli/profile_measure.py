@@ -8,6 +8,9 @@ minute. Each figure is measured the way the engine uses the hardware:
   cost next to nothing, timed and divided by its op count (costs.py counts
   them the way the model counts a real one): dispatch, autograd and module
   calls;
+- the engine's own time per parameter tensor and per op of a unit, in
+  forward and in backward: tiny units through infinity against plain
+  PyTorch (engine_probe.py);
 - copies: on CUDA pinned copies per direction; on the CPU a memcpy on one
   worker thread, as the mover's threads copy;
 - the native AdamW, parameters/s, with bf16 and fp32 gradients and a bf16
@@ -32,6 +35,7 @@ import torch.nn as nn
 from ..engine.plan.costs import count_pass
 from ..engine.plan.profile import Profile
 from ..optim import adamw_step_
+from .engine_probe import engine_overhead
 from .net_probe import net_rates
 from .perf import disk_bandwidth
 
@@ -105,38 +109,6 @@ def op_overhead(device: torch.device, dtype: torch.dtype) -> float:
     def step():
         model(x).backward()
     return _timed(step, device, 20, window=1.5) / ops
-
-
-def unit_overhead(device: torch.device, dtype: str, reps: int = 7) -> float:
-    """Seconds the engine adds per unit and pass: a tiny model's forward and
-    backward through infinity (parameters and optimizer on the host) against
-    the same model in plain PyTorch, interleaved, medians; its ops cost next
-    to nothing, so the difference is the engine's own time."""
-    import copy as _copy
-    import statistics
-
-    from ..api import close, initialize, stats
-    from ..config.runtime import Config
-    tiny = _Tiny()
-    plain = _copy.deepcopy(tiny).to(device=device, dtype=_DTYPES[dtype])
-    cfg = Config(device=device.type, dtype=dtype, offload_params="host", offload_optimizer="host",
-                 unit_classes=["Sequential"])
-    model, opt = initialize(tiny, cfg, lr=0.0)  # an fp32 model: the engine casts its compute copy
-    x = torch.randn(2, 8, device=device, dtype=_DTYPES[dtype])
-    ours, base = [], []
-    try:
-        for _ in range(reps + 2):
-            base.append(_timed(lambda: plain(x).backward(), device, 1, window=0.0))
-            t0 = time.perf_counter()
-            model(x).backward()
-            _sync(device)
-            ours.append(time.perf_counter() - t0)
-            opt.step()
-            opt.zero_grad()
-        units = stats(model)["units"]
-    finally:
-        close(model)
-    return max(0.0, statistics.median(ours[2:]) - statistics.median(base[2:])) / (2 * units)
 
 
 def copy_rates(device: torch.device, nbytes: int = 64 << 20) -> Dict[str, float]:
@@ -242,13 +214,14 @@ def interference(device: torch.device, dtype: torch.dtype, threads: Optional[int
 def compute_speeds(device: torch.device, dtype: str, sizes=GEMM_SIZES) -> Dict[str, object]:
     """The compute side of a profile, alone (a few seconds): ``gemm_flops``
     ({dtype: [[n, FLOP/s]]}, fp32's too), ``mem_bw`` (bytes/s) and
-    ``op_overhead_s`` and ``unit_overhead_s`` (s), as :func:`measure_profile` measures them."""
+    ``op_overhead_s`` (s), ``param_overhead_s`` and ``engine_op_overhead_s``
+    ({"forward", "backward"}: s), as :func:`measure_profile` measures them."""
     dt = _DTYPES[dtype]
     gemm = {dtype: gemm_rates(device, dt, sizes)}
     if dtype != "fp32":
         gemm["fp32"] = gemm_rates(device, torch.float32, sizes)
     return {"gemm_flops": gemm, "mem_bw": memory_bandwidth(device), "op_overhead_s": op_overhead(device, dt),
-            "unit_overhead_s": unit_overhead(device, dtype)}
+            **engine_overhead(device, dtype)}
 
 
 def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], threads: Optional[int] = None,
@@ -264,7 +237,9 @@ def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], thr
         name=f"measured on this machine ({device.type}, {dtype})",
         source=f"infinity doctor --profile, {time.strftime('%Y-%m-%d %H:%M:%S')}; swap paths {swap_paths}",
         device=device.type, gemm_flops=comp["gemm_flops"], mem_bw=comp["mem_bw"],
-        op_overhead_s=comp["op_overhead_s"], unit_overhead_s=comp["unit_overhead_s"], h2d_bw=copies["h2d"], d2h_bw=copies["d2h"],
+        op_overhead_s=comp["op_overhead_s"], param_overhead_s=comp["param_overhead_s"],
+        engine_op_overhead_s=comp["engine_op_overhead_s"],
+        h2d_bw=copies["h2d"], d2h_bw=copies["d2h"],
         adamw_params_per_s=adamw_rates(threads), disk_read_bw=read, disk_write_bw=write,
         net_bw=net_bw, net_latency_s=net_lat,
         slow=interference(device, dt, threads))

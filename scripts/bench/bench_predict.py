@@ -179,7 +179,7 @@ def predict_row(i: int, profile):
 
 def same_time_profile(profile, probes: list):
     """``profile`` with its compute figures (GEMM rates, memory bandwidth,
-    per-op cost) replaced by the medians of the probes the run measured
+    per-op cost, the engine's time per parameter tensor and op) replaced by the medians of the probes the run measured
     between its steps: on a shared machine the speed drifts by 2x within a
     minute, so the speed the step is compared with is the one measured with it."""
     med = statistics.median
@@ -187,8 +187,10 @@ def same_time_profile(profile, probes: list):
     for dt in probes[0]["gemm_flops"]:
         sizes = sorted({n for p in probes for n, _ in p["gemm_flops"][dt]})
         gemm[dt] = [[n, med([r for p in probes for m, r in p["gemm_flops"][dt] if m == n])] for n in sizes]
+    engine = {k: {ph: med([p[k][ph] for p in probes]) for ph in ("forward", "backward")}
+              for k in ("param_overhead_s", "engine_op_overhead_s")}
     return dataclasses.replace(profile, gemm_flops=gemm, mem_bw=med([p["mem_bw"] for p in probes]),
-                               op_overhead_s=med([p["op_overhead_s"] for p in probes]))
+                               op_overhead_s=med([p["op_overhead_s"] for p in probes]), **engine)
 
 
 def phases(pr, got: dict) -> str:

@@ -215,8 +215,44 @@ def test_what_if_names_the_second_swap_path(tmp_path):
     assert what_if(m, cfg, fwd, profile(disk_read_bw=1e12, disk_write_bw=1e12), costs) == []
 
 
-def test_unit_overhead_measures_in_a_low_precision_dtype():
-    """The engine's time per unit is measured with an fp32 model handed to
-    initialize (the engine casts the compute copy), whatever the run's dtype."""
-    from infinity.cli.profile_measure import unit_overhead
-    assert unit_overhead(torch.device("cpu"), "bf16", reps=1) >= 0.0
+def test_engine_overhead_measures_in_a_low_precision_dtype():
+    """The engine's time per parameter tensor and op is measured with fp32
+    models handed to initialize (the engine casts the compute copy), whatever the run's dtype."""
+    from infinity.cli.engine_probe import engine_overhead
+    got = engine_overhead(torch.device("cpu"), "bf16", reps=1)
+    assert set(got) == {"param_overhead_s", "engine_op_overhead_s"}
+    assert all(set(v) == {"forward", "backward"} and min(v.values()) >= 0.0 for v in got.values())
+
+
+def test_engine_time_is_priced_per_parameter_tensor_and_op(tmp_path):
+    """[Note: the engine's time per parameter]: each unit's pass pays the
+    profile's figures times its parameter tensors (forward) or trainable ones
+    (backward) and its ops, exactly; an old profile's per-unit figure is refused by name."""
+    from infinity.engine.plan.costs import ROOT_TAIL, count_pass
+    from infinity.engine.plan.estimator import placed
+    from infinity.engine.plan.step_time import predict_step
+    m, fwd = meta_model()
+    cfg = config(tmp_path)
+    units = placed(m, cfg)
+    costs = count_pass(m, fwd, {u.index: u.modules for u in units[0][1:]}, torch.float32)
+    base = predict_step(m, cfg, fwd, profile(), units, costs)
+    per = {"param_overhead_s": {"forward": 1e-3, "backward": 2e-3},
+           "engine_op_overhead_s": {"forward": 1e-5, "backward": 3e-5}}
+    more = predict_step(m, cfg, fwd, profile(**per), units, costs)
+    tasks = {t.name: t.end - t.start for t in base.sim.tasks}
+    checked = 0
+    for t in more.sim.tasks:
+        if t.resource == "compute":
+            phase, i = t.name.split()[0], int(t.name.split()[1])
+            lay = units[0][i].layout
+            n = len(lay.trainable_slots if phase == "backward" else lay.slots)
+            ops = len(getattr(costs, phase).get(i, [])) + (len(costs.backward[ROOT_TAIL]) * (phase == "backward")
+                                                           if i == 0 else 0)
+            extra = n * per["param_overhead_s"][phase] + ops * per["engine_op_overhead_s"][phase]
+            assert t.end - t.start == pytest.approx(tasks[t.name] + extra)
+            checked += 1
+    assert checked == 2 * len(units[0])
+    bad = tmp_path / "old.json"
+    bad.write_text(json.dumps({**dataclasses.asdict(profile()), "unit_overhead_s": 1e-3}))
+    with pytest.raises(ValueError, match="param_overhead_s"):
+        load_profile(str(bad))

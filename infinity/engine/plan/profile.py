@@ -38,9 +38,12 @@ class Profile:
     adamw_params_per_s: Dict[str, float]          # gradient dtype -> parameters/s of the native AdamW
     disk_read_bw: float                           # all swap paths together, bytes/s (O_DIRECT)
     disk_write_bw: float
-    # The engine's own time per unit and pass (its hooks, fetch bookkeeping, handing work to its threads), s;
-    # measured beside plain PyTorch (infinity doctor --profile); 0 in a hand-written profile that lacks it.
-    unit_overhead_s: float = 0.0
+    # The engine's own time per parameter tensor of a unit, per pass ("forward", "backward"), s: its guard on
+    # each parameter's use, each gradient's hand-off to the host, the hooks; measured beside plain PyTorch
+    # (infinity doctor --profile; [Note: the engine's time per parameter] in step_time.py). Empty: none.
+    param_overhead_s: Dict[str, float] = field(default_factory=dict)
+    # ... and per op the unit runs (the saved-tensor hooks, the guard's dispatch), per pass, s.
+    engine_op_overhead_s: Dict[str, float] = field(default_factory=dict)
     # ZeRO's links ([Note: collectives in the step model] in collectives.py): "net_device" / "net_host" ->
     # bytes/s this rank sends in a ring collective, and the fixed cost of one collective, s.
     net_bw: Dict[str, float] = field(default_factory=dict)
@@ -53,10 +56,15 @@ class Profile:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"profile {self.name!r}: {k}={v!r} must be a positive number (bytes/s)")
-        for k in ("op_overhead_s", "unit_overhead_s"):
-            v = getattr(self, k)
+        per_pass = [(f"{k}[{p!r}]", v) for k in ("param_overhead_s", "engine_op_overhead_s")
+                    for p, v in getattr(self, k).items()]
+        for k, v in [("op_overhead_s", self.op_overhead_s)] + per_pass:
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"profile {self.name!r}: {k}={v!r} must be a number >= 0 (seconds)")
+        for k in ("param_overhead_s", "engine_op_overhead_s"):
+            if set(getattr(self, k)) - {"forward", "backward"}:
+                raise ValueError(f"profile {self.name!r}: {k} takes the keys 'forward' and 'backward', "
+                                 f"not {sorted(set(getattr(self, k)) - {'forward', 'backward'})}")
         if not self.gemm_flops:
             raise ValueError(f"profile {self.name!r}: gemm_flops is empty; give [[size, FLOP/s], ...] per dtype")
         for key in self.slow:
@@ -113,6 +121,9 @@ def load_profile(path: str) -> Profile:
         raise ValueError(f"profile {path!r}: no such file, nor a shipped profile ({shipped_profiles()})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"profile {path!r}: not JSON ({e})") from None
+    if isinstance(data, dict) and "unit_overhead_s" in data:
+        raise ValueError(f"profile {path!r}: unit_overhead_s (per unit) was replaced by param_overhead_s (per "
+                         "parameter tensor and pass): measure the profile again with `infinity doctor --profile`")
     try:
         return Profile(**data)
     except TypeError as e:

@@ -31,11 +31,22 @@ follows the last backward):
 - NVMe parameters: when the host cache cannot hold every compute copy, each
   fetch reads the copy from disk first and each updated copy is written back.
 
-Each unit's forward and backward also pays the profile's ``unit_overhead_s``
-(the engine's hooks and bookkeeping, measured beside plain PyTorch).
-
-On several ranks ZeRO's collectives are tasks on the network links
-([Note: collectives in the step model] in collectives.py).
+Each unit's forward and backward also pays the engine's own time per
+parameter tensor ([Note: the engine's time per parameter]
+Beside the ops it runs, the engine spends Python time on the compute thread
+for each parameter tensor of a unit (in forward the guard on each
+parameter's use, param_guard.py; in backward each gradient's hand-off to
+the host, grads.take, and the hooks) and for each op the unit runs (the
+saved-tensor hooks, saved.py). Measured here (tiny units through infinity
+against plain PyTorch, one torch thread) the parameter part is about 0.13 ms
+a tensor and pass, with no measurable part per unit (units of 4, 12 and 24
+tensors: 0.47, 1.5 and 2.8 ms a pass) nor per byte (the bench's GPT at
+widths 32 and 256: 15 and 20 ms a step over its 52 tensors). So a unit's
+pass pays ``param_overhead_s[phase]`` times its parameter tensors in forward
+(its trainable ones in backward) plus ``engine_op_overhead_s[phase]`` times
+the ops counted for it, both measured by ``infinity doctor --profile``
+(cli/engine_probe.py). A per-unit figure measured on small units (the
+earlier model) missed most of it: a GPT block has 12 tensors and ~40 ops.
 
 Left out: activation memory and the
 allocator, the data loader, checksums, host-pool back-pressure other than the
@@ -124,7 +135,8 @@ def predict_step(model: nn.Module, config, run: Callable[[nn.Module], torch.Tens
         profile.net(NET_LINKS[0])  # raises naming the fix when the profile has no network figures
     if costs is None:
         costs = count_pass(model, run, {u.index: u.modules for u in units[1:]}, modes.dtype)
-    b = _Builder(modes, places, profile, costs, config)
+    tensors = [(len(u.layout.slots), len(u.layout.trainable_slots)) for u in units]
+    b = _Builder(modes, places, profile, costs, config, tensors)
     b.lay_out()
     res = b.sim.run()
     return StepPrediction(res.makespan, res.bound, res.exposed, res.busy, b.moved, res)
@@ -133,8 +145,9 @@ def predict_step(model: nn.Module, config, run: Callable[[nn.Module], torch.Tens
 class _Builder:
     """Lays one step out as tasks; see [Note: the step as tasks]."""
 
-    def __init__(self, modes: Modes, places, profile: Profile, costs: PassCosts, config):
+    def __init__(self, modes: Modes, places, profile: Profile, costs: PassCosts, config, tensors):
         self.m, self.places, self.prof, self.costs = modes, places, profile, costs
+        self.tensors = tensors  # per unit: (parameter tensors, trainable ones)
         self.sim = Simulation(profile.slow_pairs())
         self.dt = _DTYPE_NAME[modes.dtype]
         self.moved = {"h2d": 0, "d2h": 0, "nvme_read": 0, "nvme_write": 0}
@@ -239,7 +252,7 @@ class _Builder:
             deps = [prev, self.fetch.get(i)]
             if backward and m.opt_nvme and self.overlap == "backward" and self.last_backward:
                 deps += self._queue_bound(i)
-            secs = unit_seconds(self.costs, phase, i, self.prof, self.dt) + self.prof.unit_overhead_s
+            secs = unit_seconds(self.costs, phase, i, self.prof, self.dt) + self._engine_seconds(i, backward)
             if backward and i == 0:
                 secs += unit_seconds(self.costs, "backward", ROOT_TAIL, self.prof, self.dt)
             prev = self.sim.add(f"{phase} {i}", "compute", secs, COMPUTE, deps)
@@ -247,6 +260,14 @@ class _Builder:
                 self.grad_out[i] = self._grads_out(i, prev)
                 self._after_grads(i)
         return prev
+
+    def _engine_seconds(self, i: int, backward: bool) -> float:
+        """The engine's own time in unit ``i``'s pass ([Note: the engine's time per parameter])."""
+        phase = "backward" if backward else "forward"
+        ops = len(getattr(self.costs, phase).get(i, [])) + (len(self.costs.backward.get(ROOT_TAIL, []))
+                                                            if backward and i == 0 else 0)
+        return (self.prof.param_overhead_s.get(phase, 0.0) * self.tensors[i][1 if backward else 0]
+                + self.prof.engine_op_overhead_s.get(phase, 0.0) * ops)
 
     def _grads_out(self, i: int, after: int) -> int:
         """Unit ``i``'s gradients to the host, reduced over the ranks after the
