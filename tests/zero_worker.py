@@ -69,7 +69,7 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
     try:
         for ci, case in enumerate(cases):
             dev = 64 << 20 if case.get("params") == "none" or case.get("model") == "chunky" else 8 * unit_bytes(small_gpt())
-            cfg = infinity.Config(device="cpu", dtype="fp32", device_memory=dev,
+            cfg = infinity.Config(device="cpu", dtype=case.get("dtype", "fp32"), device_memory=dev,
                                   host_memory=case.get("host_units", 0) * unit_bytes(small_gpt()) or "256MiB",
                                   zero_stage=case["stage"],
                                   offload_params=case.get("params", "host"), overlap=case.get("overlap", "step"),
@@ -77,6 +77,7 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                                   swap_paths=[os.path.join(out_dir, f"swap{ci}")],
                                   max_grad_norm=case.get("clip"), grad_accumulation_steps=case.get("accum", 1),
                                   moment_dtype=case.get("moment_dtype", "fp32"),
+                                  master_dtype=case.get("master_dtype", "fp32"), seed=case.get("seed", 0),
                                   state_chunk_bytes=case.get("state_chunk", "64MiB"))
             with _emulated(case.get("emulate", False)) as movers, _reduce_on(case.get("reduce")):
                 model, opt = infinity.initialize(model_of(case), cfg, lr=1e-3, weight_decay=0.1, process_group=group)

@@ -177,3 +177,25 @@ def test_backward_overlap_with_clipping_waits_for_step_and_gives_the_same_bytes(
     (la, pa, _), (lb, pb, spec) = out["step"], out["backward"]
     assert la == lb and spec == 0
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_zero_stages_on_two_ranks_give_the_same_bf16_master(tmp_path):
+    """ZeRO 1-3 cut the master into shards; each shard's stochastic rounding
+    is keyed by the element's index in its parameter (not in the shard), so
+    on 2 gloo ranks (whose reductions are a + b at every stage) every stage
+    ends with the bits of stage 0, where each rank updates every element."""
+    import torch.multiprocessing as mp
+
+    import zero_worker
+    from test_zero import rendezvous
+    # small_gpt: its shards start inside parameters (unequal_net's fall on their edges).
+    cases = [dict(stage=st, steps=3, layers=2, dtype="bf16", master_dtype="bf16", seed=SEED,
+                  opt=opt, params="host")
+             for st, opt in ((0, "host"), (1, "host"), (2, "nvme"), (3, "host"))]
+    mp.spawn(zero_worker.run, args=(2, rendezvous(tmp_path), cases, str(tmp_path)), nprocs=2, join=True)
+    res = [torch.load(tmp_path / f"case{i}.pt") for i in range(len(cases))]
+    for case, r in zip(cases[1:], res[1:]):
+        assert r["stats"]["master_dtype"] == "bf16" and r["stats"]["world_size"] == 2
+        assert r["losses"] == res[0]["losses"], (case, r["losses"], res[0]["losses"])
+        for k, v in res[0]["state"].items():
+            assert torch.equal(r["state"][k], v), (case, k)
