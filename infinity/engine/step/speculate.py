@@ -41,6 +41,11 @@ scale with fp16) and no gradient overflowed:
   and a replay each step. After a replay the next steps wait for ``step()``
   instead: 1, then 2, 4 and at most ``MAX_BACKOFF`` steps after replays
   in a row; a committed speculation ends the back-off.
+- *Low-bit state.* Low-bit moments and a bf16 master ([Note: a bf16 master
+  in the engine] in update.py) are copied into the undo buffer whole, ahead
+  of the update (``begin``), as their kernels save nothing in their pass.
+  The bf16 master's stochastic rounding is keyed by the step count, which
+  the rollback restores, so a replay rounds as overlap="step" does.
 
 [Note: speculation on several ranks]
 Under data parallelism (stage 0) and ZeRO 1-3 each rank speculates on what
@@ -193,7 +198,7 @@ class Speculation:
         sn, tn, md = u.place.state_numel, u.place.trainable_numel, p.modes.moment_dtype
         state, at = {}, 0
         for kind in () if cow else state_kinds(md):  # each starts on 4 bytes: sn is a multiple of 32
-            dt = kind_dtype(kind, md)
+            dt = kind_dtype(kind, md, p.modes.master_dtype)
             n = nbytes(kind_numel(kind, sn), dt)
             state[kind], at = raw[at:at + n].view(dt), at + n
         # See [Note: speculation on several ranks]: the part of the compute copy this rank's update writes.
@@ -219,9 +224,9 @@ class Speculation:
         d = self._undo[u.index]
         if d.steps is not None:
             return None
-        if d.cow or self.p.modes.moment_dtype != "fp32":
+        if d.cow or self.p.modes.moment_dtype != "fp32" or self.p.modes.master_dtype != "fp32":
             # NVMe state stays on disk: the compute copy is copied whole; the kernel saves fp32 state
-            # only: low-bit moments and their scales are copied whole.
+            # only: low-bit moments and their scales, and a bf16 master, are copied whole.
             self.save(u)
             return None
         d.runs = []
