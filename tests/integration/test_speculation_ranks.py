@@ -90,7 +90,22 @@ def test_speculation_on_two_ranks_full_matrix(tmp_path):
 
 def test_speculation_with_nvme_optimizer_state_on_two_ranks(tmp_path):
     """NVMe optimizer state ([Note: speculation with NVMe optimizer state]):
-    stage 0 and ZeRO-2, clipping on some steps."""
-    cases = [case(s, "some", optimizer="nvme", swap=str(tmp_path / "swap")) for s in (0, 2)]
+    stage 0 and ZeRO-2, clipping on some steps; at stage 3 the parameters
+    on NVMe too ([Note: speculation with NVMe parameters]; stage 2's are in
+    the slow test below)."""
+    cases = [case(s, "some", optimizer="nvme", swap=str(tmp_path / "swap")) for s in (0, 2)] + \
+        [case(3, "some", optimizer="nvme", params="nvme", swap=str(tmp_path / "swap"))]
+    for c, ranks in zip(cases, spawn(tmp_path, cases)):
+        check(c, ranks)
+
+
+@pytest.mark.slow
+def test_speculation_with_nvme_parameters_on_two_ranks(tmp_path):
+    """Parameters on NVMe at stage 2 (the own shard inside the full copy)
+    with the optimizer state on the host and on NVMe, stage 0 with both on
+    NVMe (the aliased fp32 master), clipping on some and on every step."""
+    sw = str(tmp_path / "swap")
+    cases = [case(2, c, optimizer=o, params="nvme", swap=sw) for o in ("host", "nvme") for c in ("some", "always")] + \
+        [case(0, "some", optimizer="nvme", params="nvme", swap=sw)]
     for c, ranks in zip(cases, spawn(tmp_path, cases)):
         check(c, ranks)

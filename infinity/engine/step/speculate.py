@@ -87,8 +87,22 @@ a replay does). A
 commit frees the old extents; a rollback maps the keys back to them (and
 the moments back to "never written" where they were), so the replay's
 check-out reads the state of before, bytes and checksums as written then.
-Parameters on NVMe (``offload_params="nvme"``) are not covered yet: their
-compute copies are written back from the host cache on eviction, in place.
+
+[Note: speculation with NVMe parameters]
+With ``offload_params="nvme"`` the compute copy's home is an NVMe extent,
+cached in the host and written back in place when evicted, so a speculated
+copy may reach the disk before ``step()`` decides. The undo buffer holds
+the old copy's bytes all the same: a speculative update opens the copy with
+its old bytes read (``open_for_update(whole=False)``) when the kernel saves
+them in its pass, and ``save`` reads it through the cache
+(``HostCache.copy_home``) when they are copied ahead, so the update then
+finds it cached. A rollback writes the old bytes back through the cache
+(dirty: written back on eviction) for a skipped step; a replay rewrites
+every element the speculation wrote. Where the fp32 master is the compute
+copy ([Note: fp32 master aliasing] in plan/placement.py: NVMe homes for
+both, fp32, no ZeRO) the master is not in the optimizer state's
+copy-on-write extents: its old bytes are the undo buffer's compute part,
+and a rollback always restores them, replay or skip.
 
 The hyper-parameters are those of the step's first early update ([Note:
 hyper-parameters of early updates] in schedule.py), for the replay too.
@@ -213,7 +227,7 @@ class Speculation:
         d, o = self._undo[u.index], u.opt
         for kind, t in d.state.items():
             t.copy_(getattr(o, kind))
-        d.compute.copy_(self.p.host_cache.home(u)[d.lo:d.lo + d.compute.numel()])
+        self.p.host_cache.copy_home(u, d.compute, d.lo)
         d.steps = [s.step for s in u.layout.trainable_slots]
         d.fresh = u.opt.fresh
 
@@ -305,7 +319,8 @@ class Speculation:
             p.fence.wait_unit(u)
             if d.cow:  # the swap keys map to the state of before again
                 p.optstate.settle_copy(u, keep=False, fresh=d.fresh)
-            _restore(u, d, p.host_cache, compute)
+            # An aliased master is the compute copy: See [Note: speculation with NVMe parameters].
+            _restore(u, d, p.host_cache, compute or u.place.aliased)
             p.values_changed(u)
         self._release()
         p.residency.invalidate()  # no device copy keeps a speculated value
@@ -338,6 +353,10 @@ def _restore(u, d: _Undo, host_cache, compute: bool) -> None:
                 getattr(o, kind)[a:b].copy_(d.state[kind][a:b])
     if compute and any(c for _, c in runs):
         comp = host_cache.open_for_update(u)
+        if comp is None:  # [Note: fp32 master aliasing]: the cached compute copy is the master
+            comp, read = host_cache.lock_master(u)
+            if read is not None:
+                read.wait()
         try:
             for _, c in runs:
                 for a, b in c or ():
