@@ -1,6 +1,6 @@
 """The sum of squares of gradient ranges with fixed bits: the native
-``inf_sum_squares`` (See [Note: a fixed-split sum of squares] in
-native/src/sumsq_kernel.inc), used for the clipping norm's host shares."""
+``inf_sum_squares`` (its order is the Note in native/src/sumsq_kernel.inc),
+used for the clipping norm's host shares (engine/owners/grad_norm.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 
 from ..system import native
 
-__all__ = ["sum_of_squares"]
+__all__ = ["sum_of_squares", "DTYPES"]
 
 _DT = {torch.float32: native.DT_F32, torch.bfloat16: native.DT_BF16, torch.float16: native.DT_F16}
+DTYPES = tuple(_DT)  # the element types it reads
 
 
 def sum_of_squares(tensors: Sequence[torch.Tensor], num_threads: int = 0) -> float:
