@@ -117,6 +117,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.inf_adam_step_bf16p.restype = c.c_int32
     lib.inf_adam_step_bf16p.argtypes = [c.c_int32, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
                                         c.c_int32, c.c_int32, c.POINTER(AdamHParams), c.c_uint64, c.c_int64]
+    lib.inf_sum_squares.restype = c.c_int32
+    lib.inf_sum_squares.argtypes = [c.c_int32, c.c_int64, c.c_void_p, c.c_void_p, c.c_int32, c.c_int32,
+                                    c.POINTER(c.c_double)]
     lib.inf_probe_step_moments.restype = c.c_int32
     lib.inf_probe_step_moments.argtypes = [c.c_int32, c.c_int64, c.c_void_p, c.c_void_p, c.c_int32, c.c_int32,
                                            c.c_int32, c.c_int32]

@@ -134,6 +134,16 @@ INF_API int32_t inf_adam_step_bf16p(int32_t isa, int64_t n_tensors, const int64_
                                     int32_t moment_dtype, const inf_adam_hparams* hp, uint64_t seed,
                                     int64_t step);
 
+/* The sum of the squares of every element of n_ranges ranges (ptrs[r]:
+ * numels[r] contiguous elements of dtype F32, BF16 or F16), in double, into
+ * *out. The order of the additions is fixed by each element's index in its
+ * range ([Note: a fixed-split sum of squares] in native/src/sumsq_kernel.inc),
+ * so the bits do not depend on the ISA, num_threads (<= 0: library default;
+ * 1 runs on the calling thread) or the calling thread. No range: 0. NaN and
+ * Inf propagate. */
+INF_API int32_t inf_sum_squares(int32_t isa, int64_t n_ranges, const int64_t* ptrs, const int64_t* numels,
+                                int32_t dtype, int32_t num_threads, double* out);
+
 /* Memory-bandwidth probe with exactly the access pattern of inf_adam_step
  * (same loads, in-place stores and copy-out, same threading and ISA), but
  * trivial arithmetic. Its time gives the Adam roofline of this machine.

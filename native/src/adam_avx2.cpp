@@ -158,6 +158,7 @@ struct Vec {
 #include "adam_bf16m.inc"
 #include "adam_q8.inc"
 #include "adam_bf16p.inc"
+#include "sumsq_kernel.inc"
 }  // namespace
 
 namespace avx2 {
@@ -173,5 +174,6 @@ void bf16p_range(uint16_t* p, const void* g, void* m, void* v, float* ms, float*
                  int32_t mdt, const AdamConsts& c, uint64_t k_step, uint64_t index0) {
   bf16p_range_entry(p, g, m, v, ms, vs, n, gdt, mdt, c, k_step, index0);
 }
+double sumsq_block(const void* x, int64_t n, int32_t dt) { return sumsq_block_entry(x, n, dt); }
 }  // namespace avx2
 }  // namespace infinity_native

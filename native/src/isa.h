@@ -84,4 +84,22 @@ namespace avx512 { INF_BF16P_DECL }
 namespace neon { INF_BF16P_DECL }
 #endif
 
+// The sum of squares (in double) of a block's n elements of dt (F32, BF16 or
+// F16), in the fixed order of [Note: a fixed-split sum of squares] in
+// sumsq_kernel.inc: the same bits on every ISA.
+using SumsqBlockFn = double (*)(const void* x, int64_t n, int32_t dt);
+#define INF_SUMSQ_DECL double sumsq_block(const void*, int64_t, int32_t);
+#if defined(INF_HAVE_SCALAR)
+namespace scalar { INF_SUMSQ_DECL }
+#endif
+#if defined(INF_HAVE_AVX2)
+namespace avx2 { INF_SUMSQ_DECL }
+#endif
+#if defined(INF_HAVE_AVX512)
+namespace avx512 { INF_SUMSQ_DECL }
+#endif
+#if defined(INF_HAVE_NEON)
+namespace neon { INF_SUMSQ_DECL }
+#endif
+
 }  // namespace infinity_native

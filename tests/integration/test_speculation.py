@@ -226,3 +226,32 @@ def fail_step_2(model, opt, where, calls, monkeypatch) -> None:
             call()
     monkeypatch.undo()
     infinity.close(model)
+
+
+def test_speculated_shares_of_the_norm_are_taken_in_their_jobs(monkeypatch):
+    """Clipping that never triggers: each speculated unit's share of the norm
+    is taken by its update's job, on a worker thread alone (num_threads=1),
+    and step() sums it instead of reading the gradients again (See [Note: the
+    norm's shares have fixed bits] in grad_norm.py); the bits are still
+    overlap="step"'s."""
+    from infinity.engine.owners import grad_norm, grads
+    calls = []  # (on the main thread, num_threads)
+    real = grad_norm.unit_part
+
+    def spy(grad, ranges, num_threads=0):
+        calls.append((threading.current_thread() is threading.main_thread(), num_threads))
+        return real(grad, ranges, num_threads)
+
+    monkeypatch.setattr(grads, "unit_part", spy)
+    monkeypatch.setattr(grad_norm, "unit_part", spy)
+    clip, factors = CLIPS["never"]
+    want = run("step", clip, factors)
+    in_step = len(calls)
+    assert in_step > 0 and all(main for main, _ in calls)
+    calls.clear()
+    got = run("backward", clip, factors)
+    assert_same_bits(got, want)
+    assert got[3]["speculation"]["committed"] == STEPS
+    in_jobs = [n for main, n in calls if not main]
+    assert in_jobs and set(in_jobs) == {1}, calls
+    assert len(in_jobs) == len(calls) == in_step, (in_step, calls)  # step() reads none again

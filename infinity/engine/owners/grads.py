@@ -38,7 +38,7 @@ from ..plan.placement import device_reduce_bytes
 from .grad_buckets import Bucket, bucket_elems, land, make_buckets, open_stage, runs_of
 from .grad_device import DeviceGrad, drop_full, issue_reduction, land_slot, open_full
 from .grad_kept import KeptZeros
-from .grad_norm import sum_of_squares, unit_part
+from .grad_norm import fixed_bits, sum_of_squares, unit_part
 
 __all__ = ["GradRecord", "Gradients"]
 
@@ -62,7 +62,7 @@ class GradRecord:
     bucket_of: List[int] = field(default_factory=list)   # per trainable slot: its bucket, -1 for none
     device: DeviceGrad = field(default_factory=DeviceGrad)  # the device path (grad_device.py)
     anywhere: Optional[tuple] = None          # the flags' OR over the ranks in flight (grad_written.py)
-    norm_part: Optional[tuple] = None         # (written, share of the squared norm) taken before a spill
+    norm_part: Optional[tuple] = None         # (written, share of the squared norm, buffer) taken ahead of step()
 
 
 class Gradients(KeptZeros):
@@ -296,23 +296,36 @@ class Gradients(KeptZeros):
         rec.home = transition(u.name, "grad home", rec.home, GradHome.HOST)
         return None
 
-    def spill(self, u, claimed: bool = False, runs=None) -> None:
+    def spill(self, u, claimed: bool = False) -> None:
         """Writes ``u``'s gradients to NVMe and frees their host buffer (NVMe
         optimizer state, when the update does not run during backward;
         ``claimed``: the buffer of an update that ran speculatively, on its
-        thread: a replay reads them again). ``runs(u, written, grad)``: the
-        ranges the norm counts, whose share is taken first, so ``step()``'s
-        norm need not read them back."""
+        thread: a replay reads them again). A share of the norm taken
+        before (``take_norm_part``) is kept, so ``step()``'s norm need not
+        read them back."""
         rec = u.grads
         if rec.home is not (GradHome.CLAIMED if claimed else GradHome.HOST):
             return
         self.wait(u)
-        if runs is not None:
-            rec.norm_part = (list(rec.written), unit_part(rec.grad, runs(u, rec.written, rec.grad)))
         h = self.nvme.write(swap_key(u.index, "grad"), rec.grad)
         self.room.defer_release(h, rec.buf)
         rec.grad = rec.buf = None
+        if rec.norm_part is not None:  # the buffer goes back to the pool
+            rec.norm_part = rec.norm_part[:2] + (None,)
         rec.home = transition(u.name, "grad home", rec.home, GradHome.SPILLED)
+
+    def take_norm_part(self, u, runs) -> None:
+        """Takes ``u``'s share of the squared norm now, on this thread alone,
+        from its final gradients (``runs(u, written, grad)``: the ranges the
+        norm counts), so ``step()``'s norm sums it instead of reading them
+        again (a speculative update's job, during backward: [Note:
+        speculative updates] in step/speculate.py). Only where the share's
+        bits do not depend on the thread (``grad_norm.fixed_bits``); else
+        ``step()`` takes it."""
+        rec = u.grads
+        grad = self.update_input(u)
+        if fixed_bits(grad):
+            rec.norm_part = (list(rec.written), unit_part(grad, runs(u, rec.written, grad), num_threads=1), grad)
 
     def load(self, u, wait: bool = True):
         """Reads spilled gradients back into a host buffer (for the norm or the

@@ -367,6 +367,12 @@ class BackwardSchedule(StepSchedule):
         grad, written = p.grads.update_input(u), p.grads.written_now(u)
         # Gradients are sums over the data-parallel ranks; see [Note: speculative updates] in speculate.py.
         scale = 1.0 / p.sharding.world if spec is None else spec.scale
+        def norm_part() -> None:
+            # step()'s norm needs every unit's gradients: a speculated unit's share is taken here, off the step's
+            # critical path (stage 0; See [Note: speculative updates] in speculate.py).
+            if spec is not None and not p.modes.zero:
+                p.grads.take_norm_part(u, self.updater.counted_runs)
+
         if self._hyper is None:  # See [Note: hyper-parameters of early updates]
             self._hyper = self.groups_now()
         hyper = self._hyper
@@ -377,6 +383,7 @@ class BackwardSchedule(StepSchedule):
 
             def job() -> None:
                 p.grads.wait(u)
+                norm_part()
                 for h in p.optstate.checkout(u):
                     h.wait()
                 if spec is not None:
@@ -385,10 +392,11 @@ class BackwardSchedule(StepSchedule):
                 if spec is None or p.modes.zero:
                     p.grads.release(u)
                 elif not spec.keep_grads:  # step()'s norm and a replay need them: on disk meanwhile
-                    p.grads.spill(u, claimed=True, runs=self.updater.counted_runs)
+                    p.grads.spill(u, claimed=True)
         else:
             def job() -> None:
                 p.grads.wait(u)
+                norm_part()
                 undo = spec.begin(u) if spec is not None else None
                 self.update_in_memory(u, grad, written, scale, hyper, undo)
 

@@ -27,7 +27,15 @@ scale with fp16) and no gradient overflowed:
   The step's scale is ``base_scale * coef``; when it equals the scale the
   speculative updates ran with, bit for bit, and the norm is finite, the
   kernel calls of overlap="step" would have had the same inputs: the
-  speculation is committed (the undo buffers go back to the pool).
+  speculation is committed (the undo buffers go back to the pool). A
+  speculated unit's share of the norm (``Gradients.take_norm_part``, stage
+  0, host gradients) is taken in its update's job, on that thread alone,
+  from the same final gradients, so ``step()`` sums it instead of reading
+  them on the critical path. Its bits are those ``step()`` would get: the
+  share is the native fixed-split sum, whose order depends on no thread
+  count (See [Note: the norm's shares have fixed bits] in
+  owners/grad_norm.py). Without the native library, ``step()`` takes
+  every share.
 - *Replay.* Otherwise every speculatively updated unit gets its undo state
   copied back (the same bytes as before its update: master, moments, step
   counts; the compute copy only for a skipped step, since a replay writes
