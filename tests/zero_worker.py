@@ -23,17 +23,19 @@ def _emulated(on: bool):
 
 @contextlib.contextmanager
 def _reduce_on(where):
-    """``where="host"``: engines built inside reduce gradients on the host
-    even where placement.py would reduce them on the device (the reference
-    of the device path's parity tests); None: as placement.py decides."""
+    """``where="host"``: engines built inside reduce gradients and gather
+    stages 1-2's updated copies on the host even where placement.py would
+    do it on the device (the reference of the device path's parity tests);
+    None: as placement.py decides."""
     from infinity.engine.plan import placement
-    real = placement.host_reduction_reason
+    real = placement.host_reduction_reason, placement.host_gather_reason
     if where == "host":
         placement.host_reduction_reason = lambda *a: "forced by the test"
+        placement.host_gather_reason = lambda *a: "forced by the test"
     try:
         yield
     finally:
-        placement.host_reduction_reason = real
+        placement.host_reduction_reason, placement.host_gather_reason = real
 
 
 def model_of(case: dict):
@@ -107,6 +109,7 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
             s["emulated_copies"] = sum(st.ran for m in movers or [] for st in m.streams)
             s["unit_numels"] = [(u.place.trainable_numel, u.place.compute_numel) for u in eng.units]
             s["reduce_on_device"] = eng.modes.reduce_on_device
+            s["gather_on_device"] = eng.modes.gather_on_device
             s["state_chunks"] = [len(u.place.windows) for u in eng.units]
             if grank == 0:
                 torch.save({"losses": losses, "norms": norms, "state": full, "stats": s, "optimizer": osd},
