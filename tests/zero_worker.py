@@ -101,6 +101,8 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                 losses.append(t.item() / gworld)
                 norms.append(opt.last_grad_norm)
             full = infinity.full_state_dict(model)  # collective: every rank of the group calls it
+            # The parameters as torch reads them (the compute copies; full_state_dict reads the masters).
+            seen = {k: v.detach().clone() for k, v in model.state_dict().items()}
             osd = opt.state_dict() if "moment_dtype" in case else None  # collective too
             eng = infinity.api.engine_of(model)
             # Every collective issued so far timed, whenever the clock thread got the CPU: the totals read are final.
@@ -112,7 +114,7 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
             s["gather_on_device"] = eng.modes.gather_on_device
             s["state_chunks"] = [len(u.place.windows) for u in eng.units]
             if grank == 0:
-                torch.save({"losses": losses, "norms": norms, "state": full, "stats": s, "optimizer": osd},
+                torch.save({"losses": losses, "norms": norms, "state": full, "stats": s, "optimizer": osd, "seen": seen},
                            os.path.join(out_dir, f"case{ci}{suffix}.pt"))
             infinity.close(model)
     finally:

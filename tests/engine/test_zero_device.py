@@ -62,6 +62,8 @@ def _assert_same_bits(case, dev, host, world=WORLD):
     assert dev["losses"] == host["losses"], (case, dev["losses"], host["losses"])
     for k, v in host["state"].items():
         assert torch.equal(dev["state"][k], v), (case, k)
+        # fp32: the compute copies torch reads are the masters (every rank's shards, not stale ones)
+        assert torch.equal(dev["seen"][k], v), (case, k)
 
 
 @pytest.mark.parametrize("ci", range(len(CI_CASES)))
