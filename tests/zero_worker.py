@@ -23,17 +23,19 @@ def _emulated(on: bool):
 
 @contextlib.contextmanager
 def _reduce_on(where):
-    """``where="host"``: engines built inside reduce gradients on the host
-    even where placement.py would reduce them on the device (the reference
-    of the device path's parity tests); None: as placement.py decides."""
+    """``where="host"``: engines built inside reduce gradients and gather
+    stages 1-2's updated copies on the host even where placement.py would
+    do it on the device (the reference of the device path's parity tests);
+    None: as placement.py decides."""
     from infinity.engine.plan import placement
-    real = placement.host_reduction_reason
+    real = placement.host_reduction_reason, placement.host_gather_reason
     if where == "host":
         placement.host_reduction_reason = lambda *a: "forced by the test"
+        placement.host_gather_reason = lambda *a: "forced by the test"
     try:
         yield
     finally:
-        placement.host_reduction_reason = real
+        placement.host_reduction_reason, placement.host_gather_reason = real
 
 
 def model_of(case: dict):
@@ -99,6 +101,8 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
                 losses.append(t.item() / gworld)
                 norms.append(opt.last_grad_norm)
             full = infinity.full_state_dict(model)  # collective: every rank of the group calls it
+            # The parameters as torch reads them (the compute copies; full_state_dict reads the masters).
+            seen = {k: v.detach().clone() for k, v in model.state_dict().items()}
             osd = opt.state_dict() if "moment_dtype" in case else None  # collective too
             eng = infinity.api.engine_of(model)
             # Every collective issued so far timed, whenever the clock thread got the CPU: the totals read are final.
@@ -107,9 +111,10 @@ def run(rank: int, world: int, rdzv: str, cases: list, out_dir: str, group_size:
             s["emulated_copies"] = sum(st.ran for m in movers or [] for st in m.streams)
             s["unit_numels"] = [(u.place.trainable_numel, u.place.compute_numel) for u in eng.units]
             s["reduce_on_device"] = eng.modes.reduce_on_device
+            s["gather_on_device"] = eng.modes.gather_on_device
             s["state_chunks"] = [len(u.place.windows) for u in eng.units]
             if grank == 0:
-                torch.save({"losses": losses, "norms": norms, "state": full, "stats": s, "optimizer": osd},
+                torch.save({"losses": losses, "norms": norms, "state": full, "stats": s, "optimizer": osd, "seen": seen},
                            os.path.join(out_dir, f"case{ci}{suffix}.pt"))
             infinity.close(model)
     finally:

@@ -244,7 +244,7 @@ class Values:
         if covers and u.host.compute is None and p.host_cache.nvme_home(u):
             p.host_cache.settle_write_back(u)  # the old copy's write-back lands before the new copy's write
             return _blank(scratch, u.place.home_numel, p.modes.dtype, u.layout.slots)
-        return self.read_compute(u)
+        return self._home_compute(u)  # the host copy, written whole (dev, the device copy, is written beside it)
 
     def _store_written(self, u, master, home) -> None:
         """Writes the master shard and the home compute copy back to where they live."""
@@ -312,15 +312,23 @@ class Values:
         return p.host_cache.read_nvme_home(u)
 
     def read_compute(self, u) -> Optional[torch.Tensor]:
-        """``u``'s full compute copy as a CPU tensor (gathered under ZeRO-3)."""
+        """``u``'s full compute copy: a CPU tensor (gathered under ZeRO-3), or
+        the device copy of a unit that lives on the device where the host
+        copy has none or is current in the own shard only (see [Note: where
+        the updated copies are gathered] in step/copy_gathers.py)."""
         p = self.p
         if p.modes.zero == 3:
             shard = p.host_cache.read_compute(u)
             full = torch.empty(u.place.compute_numel, dtype=p.modes.dtype)
             p.sharding.gather_units_params(full, shard, u.place.trainable_numel).wait()
             return full
-        t = p.host_cache.read_compute(u)
-        return t if t is not None else p.residency.permanent_copy(u)
+        dev = p.residency.permanent_copy(u) if p.modes.gather_on_device else None
+        return dev if dev is not None else self._home_compute(u)
+
+    def _home_compute(self, u) -> Optional[torch.Tensor]:
+        """Stages 0-2: the host compute copy, else the device copy of a unit that lives there."""
+        t = self.p.host_cache.read_compute(u)
+        return t if t is not None else self.p.residency.permanent_copy(u)
 
 
 def _blank(scratch, numel: int, dtype: torch.dtype, slots) -> torch.Tensor:

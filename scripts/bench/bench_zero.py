@@ -26,6 +26,16 @@ part the engine's threads waited for (``stats()["comm_seconds"]`` and
 ``["comm_wait_seconds"]``, medians over the timed steps) and the share
 hidden behind compute (target >= 70% where compute is longer than the
 communication).
+
+Stages 1-2 also run with the parameters on the device
+(``offload_params="none"``): the updated compute copies all-gathered on the
+device group (each rank's shard up H2D, [Note: where the updated copies are
+gathered] in infinity/engine/step/copy_gathers.py) and, interleaved in the
+same run, on the host group as before (the baseline): per rank the bytes per
+link against theory (the gradients' Psi_t, fp32 and padded, trainable
+bytes: device path H2D Psi_t/N, device ring 2 Psi_t (N-1)/N, host ring 0;
+host path H2D the whole copies, each ring Psi_t (N-1)/N) and the step and
+exposed communication times of both. ``--gathers`` runs only those rows.
 """
 
 from __future__ import annotations
@@ -61,6 +71,9 @@ def parse_args() -> argparse.Namespace:
                     help="timed optimizer steps per stage, after one warm-up (default 5)")
     ap.add_argument("--device-memory", default=None,
                     help="device budget per rank, a size (default: all fits; small: stage 3 gathers again for backward)")
+    ap.add_argument("--gathers", action="store_true",
+                    help="only stages 1-2 with the parameters on the device, copies gathered on the device "
+                         "group against the host group, interleaved")
     ap.add_argument("--json", default="bench-results/bench_zero.json",
                     help="where rank 0 writes every rank's rows as JSON (default %(default)s)")
     return ap.parse_args()
@@ -85,43 +98,50 @@ def main() -> int:
     alone = [dist.new_group([r]) for r in range(world)][rank]
     runs = [(st, args.device_memory, "") for st in (0, 1, 2, 3)] + [(3, "minimum", "")]
     runs += [(st, args.device_memory, "world1") for st in (0, 1, 2, 3)] + [(3, args.device_memory, "host-reduce")]
+    gathers = [(st, args.device_memory, v) for _ in range(2) for st in (1, 2) for v in ("none", "none-host-gather")]
+    runs = gathers if args.gathers else runs + gathers[:4]
     for stage, budget, variant in runs:
         row, minimum = run_stage(args, stage, budget, minimum, rank, variant, alone)
         rows.append(row)
     everyone = [None] * world
     dist.all_gather_object(everyone, rows)
     if rank == 0:
-        report(everyone, rows, world)
+        report(everyone, rows, world, args.gathers)
         write_json(args.json, everyone)
     dist.destroy_process_group()
     return 0
 
 
 @contextlib.contextmanager
-def reduced_on_host(on: bool):
-    """With ``on``, engines built inside reduce gradients on the host (the
-    path before issue 39), the baseline of the device path's bytes."""
+def on_host(reduce: bool, gather: bool = False):
+    """Engines built inside reduce gradients (``reduce``) or gather stages
+    1-2's updated copies (``gather``) on the host group (the paths before
+    issue 39), the baselines of the device paths' bytes."""
     from infinity.engine.plan import placement
-    real = placement.host_reduction_reason
-    if on:
+    real = placement.host_reduction_reason, placement.host_gather_reason
+    if reduce:
         placement.host_reduction_reason = lambda *a: "the benchmark's baseline"
+    if gather:
+        placement.host_gather_reason = lambda *a: "the benchmark's baseline"
     try:
         yield
     finally:
-        placement.host_reduction_reason = real
+        placement.host_reduction_reason, placement.host_gather_reason = real
 
 
 def run_stage(args, stage: int, budget, minimum, rank: int, variant: str = "", alone=None) -> tuple:
     """One ZeRO stage at one device budget on this rank: (its row, the smallest
     device budget, found at the first stage-3 run). ``variant``: "world1"
-    (this rank alone in group ``alone``), "host-reduce" (gradients reduced on the host)."""
+    (this rank alone in group ``alone``), "host-reduce" (gradients reduced on the host), "none" (the
+    parameters on the device), "none-host-gather" (and their copies gathered on the host group)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=4096, block_size=args.seq, n_layer=args.layers, n_head=6, n_embd=args.embd))
     n = sum(p.numel() for p in model.parameters())
     cfg = infinity.Config(device=args.device, dtype="fp32", host_memory="8GiB", zero_stage=stage,
                           device_memory=minimum if budget == "minimum" else budget,
-                          offload_params="host", offload_optimizer="host", overlap="step")
-    with reduced_on_host(variant == "host-reduce"):
+                          offload_params="none" if variant.startswith("none") else "host",
+                          offload_optimizer="host", overlap="step")
+    with on_host(variant == "host-reduce", variant == "none-host-gather"):
         model, opt = infinity.initialize(model, cfg, lr=1e-4, process_group=alone if variant == "world1" else None)
     if stage == 3 and minimum is None and not variant:
         minimum = infinity.api.engine_of(model).budget.minimum()
@@ -153,7 +173,10 @@ def run_stage(args, stage: int, budget, minimum, rank: int, variant: str = "", a
            "comm_theory": theory, "comm_ratio": sum(comm.values()) / theory, "comm": comm,
            "peak_bytes": s["peak_bytes"], "comm_s": statistics.median(comm_s),
            "comm_wait_s": statistics.median(wait_s),
-           "reduce_on_device": infinity.api.engine_of(model).modes.reduce_on_device}
+           "reduce_on_device": infinity.api.engine_of(model).modes.reduce_on_device,
+           "gather_on_device": infinity.api.engine_of(model).modes.gather_on_device,
+           "grad_bytes": sum(4 * u.place.trainable_numel for u in infinity.api.engine_of(model).units),
+           "compute_bytes": sum(u.place.compute_bytes for u in infinity.api.engine_of(model).units)}
     infinity.close(model)
     return row, minimum
 
@@ -162,7 +185,7 @@ def _tag(r: dict) -> str:
     return "3min" if r["budget"] == "minimum" else f"{r['stage']}{'-' + r['variant'] if r['variant'] else ''}"
 
 
-def report(everyone: list, rows: list, world: int) -> None:
+def report(everyone: list, rows: list, world: int, gathers_only: bool = False) -> None:
     """Rank 0: every rank's rows, then the targets."""
     print(f"{world} ranks, {dist.get_backend()}, {rows[0]['params'] / 1e6:.1f} M params "
           f"(psi = {4 * rows[0]['params'] / 2**20:.0f} MiB fp32); per-step bytes per rank in MiB")
@@ -179,7 +202,9 @@ def report(everyone: list, rows: list, world: int) -> None:
                   f"{ln['h2d'] / mib:7.2f} {ln['net_device'] / mib:8.2f} {ln['net_host'] / mib:8.2f} "
                   f"{r['peak_bytes']['host'] / mib:9.1f} {r['comm_s']:7.3f} {r['comm_wait_s']:7.3f} "
                   f"{_hidden(r):>6}")
-    targets(everyone, world)
+    if not gathers_only:
+        targets(everyone, world)
+    gather_targets(everyone, world)
 
 
 def _hidden(r: dict) -> str:
@@ -217,6 +242,36 @@ def targets(everyone: list, world: int) -> None:
         f"stage {st} {h:.0%} of {r0[st]['comm_s'] * 1e3:.0f} ms/step {'PASS' if h >= 0.7 else 'MISS'}"
         for st, h in hid.items()))
     print(f"stage 3 / stage 0 step time {ratio3:.3f} (<= 1.05: {'PASS' if ratio3 <= 1.05 else 'FAIL'})")
+
+
+def gather_targets(everyone: list, world: int) -> None:
+    """Rank 0: stages 1-2 with the parameters on the device, the copies
+    gathered on the device group against the host group: each rank's bytes
+    per link against theory (exact within 1%), the medians of the step and
+    exposed communication times over the interleaved runs, and their ratios."""
+    ring = (world - 1) / world
+    for st in (1, 2):
+        both = {}
+        for v in ("none", "none-host-gather"):
+            rs = [r for rr in everyone for r in rr if r["stage"] == st and r["variant"] == v]
+            if not rs:
+                return
+            gb, cb = rs[0]["grad_bytes"], rs[0]["compute_bytes"]
+            dev = v == "none"
+            want = {"h2d": gb / world if dev else cb, "net_device": (2 if dev else 1) * gb * ring,
+                    "net_host": 0 if dev else gb * ring}
+            ok = all(abs(r["links"][k] - w) <= 0.01 * max(w, 1) for r in rs for k, w in want.items())
+            both[v] = (statistics.median(r["step_s"] for r in rs), statistics.median(r["comm_wait_s"] for r in rs),
+                       statistics.median(r["comm_s"] for r in rs), rs[0]["links"], ok,
+                       all(r["gather_on_device"] is dev for r in rs))
+        (ts, ws, cs, ln, ok, on), (tb, wb, cbs, lb, okb, onb) = both["none"], both["none-host-gather"]
+        mib = 2 ** 20
+        print(f"stage {st}, params on the device, per rank per step: device gather H2D {ln['h2d'] / mib:.2f} / "
+              f"net dev {ln['net_device'] / mib:.2f} / net host {ln['net_host'] / mib:.2f} MiB, host gather "
+              f"{lb['h2d'] / mib:.2f} / {lb['net_device'] / mib:.2f} / {lb['net_host'] / mib:.2f} MiB; "
+              f"bytes = theory within 1%: {'PASS' if ok and okb and on and onb else 'FAIL'}; "
+              f"step {ts:.3f} s vs {tb:.3f} s ({ts / tb:.3f} x); exposed comm {ws * 1e3:.0f} of {cs * 1e3:.0f} ms "
+              f"vs {wb * 1e3:.0f} of {cbs * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":

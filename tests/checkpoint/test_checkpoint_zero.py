@@ -13,7 +13,7 @@ K = 3
 SAME_WORLD = [
     {"name": "s0", "stage": 0},
     {"name": "s1", "stage": 1, "opt": "nvme"},
-    {"name": "s2", "stage": 2, "overlap": "backward"},
+    {"name": "s2", "stage": 2, "overlap": "backward", "params": "none"},  # copies gathered on the device
     {"name": "s3", "stage": 3, "params": "nvme", "opt": "nvme"},
 ]
 

@@ -136,7 +136,8 @@ def _zero_same_bytes(tmp_path, world, cases):
 
 ZERO_CASES = [{"stage": 1, "steps": 3, "layers": 2, "opt": "nvme", "overlap": "backward"},
               {"stage": 2, "steps": 3, "layers": 2, "overlap": "backward", "accum": 2},
-              {"stage": 3, "steps": 3, "layers": 2, "params": "nvme", "opt": "nvme"}]
+              {"stage": 3, "steps": 3, "layers": 2, "params": "nvme", "opt": "nvme"},
+              {"stage": 2, "steps": 3, "layers": 2, "params": "none"}]  # copies gathered on the device
 
 
 def test_zero_on_two_ranks_same_bytes_under_emulated_cuda_ordering(tmp_path):

@@ -280,6 +280,54 @@ def test_stage3_gather_waits_for_the_copy_on_a_side_stream(cuda, monkeypatch):
     s.clock.close()  # the clock thread the gathers started ends here, not at some later test's moment
 
 
+def test_updated_copy_gathered_on_the_device_after_its_shard_copy(cuda, monkeypatch):
+    """[Note: where the updated copies are gathered]: refreshing a unit that
+    lives on the device, with ``gather_on_device``, copies the own shard of
+    the trainable range up on the copy stream after the compute queued so
+    far (the range is live), makes the side stream wait for that copy's
+    event, and issues the gather of the trainable range (never the frozen
+    tail) with the side stream current; the h2d bytes are the shard's."""
+    from types import SimpleNamespace
+    from infinity.engine.mechanism import zero
+    from infinity.engine.owners.residency import DeviceRecord, Residency
+    from infinity.engine.stats import Stats
+    stats = Stats()
+    s = zero.Sharding(0, stats)
+    side = FakeStream(torch.device("cuda", 1), "side")
+    monkeypatch.setattr(s, "_side_stream", lambda t: side)
+    issued = []
+
+    class Work:
+        def wait(self):
+            pass
+
+        def is_completed(self):
+            return True
+
+    def all_gather(out, inp, group=None, async_op=False):
+        issued.append((cuda.current.get(1), out.numel(), group is s.device_group))
+        return Work()
+
+    monkeypatch.setattr(zero, "_all_gather", all_gather)
+    m = mv.CudaMover(torch.device("cuda", 1))
+    r = Residency.__new__(Residency)  # the parts refresh uses
+    home = torch.arange(10.0)
+    r.modes, r.sharding, r.mover, r.stats = SimpleNamespace(gather_on_device=True), s, m, stats
+    r.source = SimpleNamespace(home=lambda u: home)
+    u = SimpleNamespace(index=0, dev=DeviceRecord(compute=torch.zeros(10), permanent=True),
+                        place=SimpleNamespace(trainable_numel=6, compute_bytes=40))
+    r.refresh(u)
+    h2d = m._h2d_stream
+    assert h2d.log[0] == ("wait_stream", cuda._compute(1)), h2d.log  # after the queued compute
+    copied = h2d.log[1][1]
+    assert side.log == [("wait_event", copied)], side.log  # the side stream waits for the copy
+    assert issued == [(side, 6, True)]                      # then the trainable range, from the side stream
+    assert torch.equal(u.dev.compute[:6], home[:6]) and not u.dev.compute[6:].any()  # world 1: the shard is all
+    assert stats.bytes_moved["h2d"] == 24
+    m.close()
+    s.clock.close()
+
+
 def _pinned_allocations(monkeypatch) -> list:
     """The shapes of every ``torch.empty(..., pin_memory=True)`` from now on
     (allocated unpinned: there is no CUDA here)."""

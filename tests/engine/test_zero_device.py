@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from infinity.engine.plan.placement import host_reduction_reason
+from infinity.engine.plan.placement import host_gather_reason, host_reduction_reason
 
 from engine_utils import assert_params_close
 import zero_worker
@@ -25,7 +25,9 @@ CI_CASES = [
     dict(stage=1, steps=2, model="unequal"),
     dict(stage=0, steps=2, model="unequal", params="none", overlap="backward"),
     dict(stage=1, steps=2, model="unequal", params="none", opt="nvme", overlap="backward"),
+    dict(stage=2, steps=2, model="unequal", params="none"),  # copies gathered on the device, in step()
 ]
+STAGE0_OF = {8: 6}  # a case whose final bits must be stage 0's (the CI case at the value): params on the device
 
 # stages 0-3 x params none/host (stage 3: host/nvme) x optimizer host/nvme x overlap step/backward
 MATRIX = [dict(stage=st, steps=3, model="unequal", params=pa, opt=op, overlap=ov)
@@ -48,12 +50,20 @@ def _on_device(case, world=WORLD) -> bool:
     return host_reduction_reason(case["stage"], world, 1, case.get("opt", "host"), case.get("overlap", "step")) is None
 
 
+def _gathers_on_device(case, world=WORLD) -> bool:
+    return host_gather_reason(case["stage"], world, case.get("params", "host")) is None
+
+
 def _assert_same_bits(case, dev, host, world=WORLD):
     assert dev["stats"]["reduce_on_device"] is _on_device(case, world), case
     assert host["stats"]["reduce_on_device"] is False, case
+    assert dev["stats"]["gather_on_device"] is _gathers_on_device(case, world), case
+    assert host["stats"]["gather_on_device"] is False, case
     assert dev["losses"] == host["losses"], (case, dev["losses"], host["losses"])
     for k, v in host["state"].items():
         assert torch.equal(dev["state"][k], v), (case, k)
+        # fp32: the compute copies torch reads are the masters (every rank's shards, not stale ones)
+        assert torch.equal(dev["seen"][k], v), (case, k)
 
 
 @pytest.mark.parametrize("ci", range(len(CI_CASES)))
@@ -64,7 +74,19 @@ def test_device_reduction_trains_bit_for_bit_as_the_host_path(ci_results, ci):
     assert_params_close(dev["state"], ref_state, global_scale=True, lr_steps=LR * CI_CASES[ci]["steps"])
 
 
-@pytest.mark.parametrize("ci", [0, 2, 4, 5])
+@pytest.mark.parametrize("ci", sorted(STAGE0_OF))
+def test_stages_1_2_end_with_stage_0s_bits(ci_results, ci):
+    """On 2 ranks a sum of two is the same in any order, and each element's
+    update does not depend on the shard it is in: the copies gathered on
+    the device give stage 0's losses and weights bit for bit."""
+    (dev, _), (zero, _) = ci_results[ci], ci_results[STAGE0_OF[ci]]
+    assert CI_CASES[STAGE0_OF[ci]]["stage"] == 0 and dev["stats"]["gather_on_device"]
+    assert dev["losses"] == zero["losses"], (dev["losses"], zero["losses"])
+    for k, v in zero["state"].items():
+        assert torch.equal(dev["state"][k], v), k
+
+
+@pytest.mark.parametrize("ci", [0, 1, 2, 4, 5, 7, 8])
 def test_bytes_per_link_per_rank_equal_theory(ci_results, ci):
     """See _assert_bytes_equal_theory, on 2 ranks."""
     dev, host = ci_results[ci]
@@ -100,9 +122,11 @@ def _assert_bytes_equal_theory(case, dev, host, world):
     flat gradient, the reduce-scatter runs on the device group and sends
     (N-1)/N of each unit's gradient over the ring; at stage 0 the all-reduce
     runs there (twice that) and the whole sum crosses D2H. Stages 1-2's
-    all-gather of the updated compute copies runs on the host group (then
-    each copy goes up whole), stage 3's parameter gathers on the device
-    group, each of them bringing only the own shard up H2D."""
+    all-gather of the updated compute copies runs on the device group with
+    the parameters there (each rank's shard goes up, the ring sends (N-1)/N
+    of the trainable copy; nothing on the host group), else on the host
+    group (then each copy goes up whole); stage 3's parameter gathers on the
+    device group, each of them bringing only the own shard up H2D."""
     s, numels = dev["stats"], dev["stats"]["unit_numels"]
     grad_bytes = sum(4 * tn for tn, _ in numels)        # fp32 flat gradients, padded to the world
     compute_bytes = sum(4 * cn for _, cn in numels)
@@ -117,7 +141,12 @@ def _assert_bytes_equal_theory(case, dev, host, world):
         return
     assert step["d2h"] == grad_bytes // world, (step["d2h"], grad_bytes)
     assert step["reduce_scatter"] == grad_bytes
-    if case["stage"] in (1, 2):
+    if case["stage"] in (1, 2) and _gathers_on_device(case, world):
+        # [Note: where the updated copies are gathered]: the own shard up, the trainable range gathered on the device.
+        assert step["net_device"] == 2 * grad_bytes * ring                 # reduce-scatter + copies' gather (fp32)
+        assert step.get("net_host", 0) == 0 and step["all_gather"] == grad_bytes, step
+        assert step["h2d"] == grad_bytes // world                          # each copy's own shard up
+    elif case["stage"] in (1, 2):
         assert step["net_device"] == grad_bytes * ring
         assert step["net_host"] == grad_bytes * ring           # the compute copies' all-gather (fp32)
         assert step["h2d"] == compute_bytes                    # each updated compute copy up once, whole

@@ -28,8 +28,10 @@ def case(stage, clip=None, **kw):
     return c
 
 
-FAST = [case(0, "some"), case(1, "some"), case(2, "some"), case(3, "some", accum=2),
-        case(2, dtype="fp16", factors=OVERFLOW),
+# Stage 2 with the parameters on the device: its copies are gathered on the device group, after a
+# rollback too ([Note: where the updated copies are gathered] in infinity/engine/step/copy_gathers.py).
+FAST = [case(0, "some"), case(1, "some"), case(2, "some", params="none"), case(3, "some", accum=2),
+        case(2, dtype="fp16", factors=OVERFLOW, params="none"),
         case(1, "some", dtype="bf16", master_dtype="bf16")]  # a bf16 master: the own shard's, saved ahead
 FULL = [case(s, c, **kw) for s in (0, 1, 2, 3) for c in ("never", "always", "some") for kw in ({}, {"accum": 3})] + \
     [case(s, "some", params="none") for s in (0, 1, 2)] + \
@@ -75,7 +77,8 @@ def check(c: dict, ranks: list) -> None:
 
 def test_speculation_on_two_ranks_bitwise_as_overlap_step(tmp_path):
     """Stage 0 and ZeRO 1-3, clipping on some steps (stage 3 with
-    accumulation), fp16 with an overflow at stage 2, a bf16 master at stage 1."""
+    accumulation), fp16 with an overflow at stage 2 (stage 2 with the
+    parameters on the device), a bf16 master at stage 1."""
     for c, ranks in zip(FAST, spawn(tmp_path, FAST)):
         check(c, ranks)
 

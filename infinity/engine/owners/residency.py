@@ -435,22 +435,42 @@ class Residency:
             if d.state is not DeviceState.ABSENT and not d.permanent and d.pins == 0:
                 self.evict(u)
 
-    def invalidate(self) -> None:
+    def invalidate(self, done=frozenset()) -> None:
         """The homes changed (an optimizer step): drops device copies (fetched
-        again when used) or, for units that live on the device, copies the new
-        values up and waits."""
+        again when used) or, for units that live on the device, refreshes
+        them (:meth:`refresh`; not those whose indices are in ``done``,
+        refreshed already) and waits."""
         tickets = []
         for u in self.units:
             d = u.dev
             if d.permanent:
-                home = self.source.home(u)
-                if home is not None:
-                    tickets.append(self.mover.h2d(d.compute, home))  # a live range: see [Note: refreshing a live range]
-                    self.stats.moved("h2d", u.place.compute_bytes)
+                t = self.refresh(u) if u.index not in done else None
+                if t is not None:
+                    tickets.append(t)
             elif d.state is not DeviceState.ABSENT and d.pins == 0:
                 self.evict(u)
         for t in tickets:
             t.wait()
+
+    def refresh(self, u):
+        """Copies a device-resident unit's new values up from its host copy,
+        asynchronously: the ticket, or None when there is nothing to copy.
+        The whole copy, or with ``modes.gather_on_device`` the own shard of
+        the trainable range, all-gathered on the device group (collective:
+        every rank refreshes the same units in the same order). See [Note:
+        where the updated copies are gathered] in step/copy_gathers.py."""
+        d, home = u.dev, self.source.home(u)
+        if home is None:
+            return None
+        if not self.modes.gather_on_device:
+            self.stats.moved("h2d", u.place.compute_bytes)
+            return self.mover.h2d(d.compute, home)  # a live range: see [Note: refreshing a live range]
+        tn = u.place.trainable_numel
+        if not tn:
+            return None  # frozen values change only through Values.write, which writes the device copy
+        lo, hi = self.sharding.shard(tn)
+        self.stats.moved("h2d", (hi - lo) * d.compute.element_size())
+        return self.sharding.gather_units_params(d.compute[:tn], home[lo:hi], tn, h2d=self.mover.h2d, on_device=True)
 
     def device_stall_seconds(self) -> float:
         """Seconds compute waited for fetches: on CUDA from timing events

@@ -15,7 +15,10 @@ twice that per all-reduce):
   updates the whole unit); else the full gradients cross first and are
   reduced on the host. The update waits for it;
 - stages 1-2, after the unit's update: the all-gather of the updated
-  compute copy (the next fetch, or the refresh of a resident copy, waits);
+  compute copy's trainable range (the next fetch, or the refresh of a
+  resident copy, waits); with the parameters on the device (placement's
+  ``gather_on_device``) the own shard crosses H2D and the device group
+  gathers the rest into the resident copy;
 - stage 3, each fetch: the own shard crosses H2D and the unit is
   all-gathered on the device.
 
@@ -46,6 +49,7 @@ LINK: Dict[Tuple[str, bool], str] = {
     ("grad_reduce", True): "net_device",    # several ranks without accumulation: reduced on the device
     ("grad_reduce", False): "net_host",     # accumulation windows, stage 0's host cases: on the host gradients
     ("copy_gather", False): "net_host",     # stages 1-2: the updated host compute copies all-gathered
+    ("copy_gather", True): "net_device",    # stages 1-2, parameters on the device: gathered there
     ("param_gather", True): "net_device",   # stage 3: each fetched unit all-gathered on the device
 }
 

@@ -46,7 +46,7 @@ from .limits import (DEVICE_ALIGN, GRAD_STAGING_BLOCK_BYTES, GRAD_STAGING_BLOCKS
 
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need", "grad_staging",
            "nvme_capacity", "modes_of", "speculation_needed", "speculation_unsupported", "undo_bytes", "spillable",
-           "nbytes", "round_pool", "state_pool_bytes", "host_reduction_reason", "device_reduce_bytes", "stage1_full_grads", "POOL_ALIGN",
+           "nbytes", "round_pool", "state_pool_bytes", "host_reduction_reason", "host_gather_reason", "device_reduce_bytes", "stage1_full_grads", "POOL_ALIGN",
            "DEVICE_ALIGN", "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
 
@@ -87,6 +87,7 @@ class Modes:
     master_dtype: str = "fp32"  # Config.master_dtype ([Note: a bf16 master in the engine] in step/update.py)
     state_chunk: int = 0      # NVMe state streamed in chunks of this many elements (Config.state_chunk_bytes / 4);
     #                           0: whole units. See [Note: state streamed in chunks]
+    gather_on_device: bool = False  # stages 1-2: updated copies gathered on the device (host_gather_reason)
 
     @property
     def params_on_device(self) -> bool:
@@ -134,7 +135,8 @@ def modes_of(config, world: int, device: torch.device) -> Modes:
                  config.prefetch_bytes, speculation_needed(config) and speculation_unsupported(config, world) is None,
                  host_reduction_reason(config.zero_stage, world, config.grad_accumulation_steps,
                                        config.offload_optimizer, config.overlap) is None,
-                 config.moment_dtype, config.master_dtype, config.state_chunk_bytes // 4)
+                 config.moment_dtype, config.master_dtype, config.state_chunk_bytes // 4,
+                 host_gather_reason(config.zero_stage, world, config.offload_params) is None)
 
 
 def host_reduction_reason(stage: int, world: int, accum_steps: int, optimizer: str = "host",
@@ -180,6 +182,25 @@ def host_reduction_reason(stage: int, world: int, accum_steps: int, optimizer: s
         return "zero_stage=0 with offload_optimizer='none': the gradients stay on the device"
     if stage == 0 and overlap == "delayed":
         return "zero_stage=0 with overlap='delayed': the next backward fills the second host buffer"
+    return None
+
+
+def host_gather_reason(stage: int, world: int, params: str) -> Optional[str]:
+    """None when, at ZeRO stage ``stage`` on ``world`` ranks with Config's
+    ``offload_params``, each unit's updated compute copy is all-gathered on
+    the device group, else why it is gathered on the host group (or not at all).
+
+    This is the one place that decides it; see [Note: where the updated
+    copies are gathered] in step/copy_gathers.py.
+    """
+    if stage not in (1, 2):
+        return (f"zero_stage={stage}: no updated compute copies to gather" if stage == 0 else
+                "zero_stage=3: the parameters are gathered on the device at each fetch")
+    if world < 2:
+        return "one rank: nothing to gather"
+    if params != "none":
+        return (f"offload_params={params!r}: the host copy is the source of every page-in, so it is "
+                "gathered whole on the host group")
     return None
 
 

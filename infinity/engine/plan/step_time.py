@@ -335,10 +335,13 @@ class _Builder:
             self._disk(f"write state {i}", True, self._state_bytes(i), [t])
         if self.params_from_disk:
             self._disk(f"write back compute {i}", True, nbytes(pl.home_numel, m.dtype), [t])
-        after = t
+        after, tb = t, nbytes(pl.trainable_numel, m.dtype)
+        if m.gather_on_device:  # the own shard up, gathered on the device (host_gather_reason)
+            up = self._copy(f"refresh {i} (shard)", "h2d", tb // m.world, [t])
+            self._net(f"gather copy {i}", LINK[("copy_gather", True)], wire_bytes(tb, m.world), [up])
+            return t
         if m.world > 1 and m.zero in (1, 2):  # the updated compute copies all-gathered on the host
-            after = self._net(f"gather copy {i}", LINK[("copy_gather", False)],
-                              wire_bytes(pl.compute_bytes, m.world), [t])
+            after = self._net(f"gather copy {i}", LINK[("copy_gather", False)], wire_bytes(tb, m.world), [t])
         if m.params_on_device:
             self._copy(f"refresh {i}", "h2d", pl.compute_bytes, [after])
         return t

@@ -189,15 +189,16 @@ class StepSchedule:
             raise RuntimeError("internal: overflow after early updates")  # early updates exclude fp16
         t0 = time.perf_counter()
         scaling.after_overflow_check(skip)
+        refreshed = set()
         if not skip:
-            self._update_all(todo, scale, hyper)
+            refreshed = self._update_all(todo, scale, hyper)
             p.stats.steps += 1
             self._last_order = list(self._running) + [u.index for u in todo if u.index not in self._running]
         if replay:
             p.stats.spec_replay_seconds += time.perf_counter() - t0
         self._end_step()
         if not skip:
-            self._refresh_compute_copies()
+            self._refresh_compute_copies(refreshed)
 
     def _end_step(self) -> None:
         """The step's gradients are read: their buffers free, the queue empty."""
@@ -229,7 +230,9 @@ class StepSchedule:
             "(torch applies it to this one). Set them before forward (an LR scheduler stepped after "
             "optimizer.step() does), or use overlap='step'. (Warned once.)", RuntimeWarning, stacklevel=4)
 
-    def _update_all(self, todo, scale: float, hyper=None) -> None:
+    def _update_all(self, todo, scale: float, hyper=None) -> set:
+        """Updates ``todo``; returns the indices of the units whose device
+        copies the copies' gathers refreshed (CopyGathers.finish)."""
         p, t0 = self.p, time.perf_counter()
         gathers = CopyGathers(p, todo)
         if p.modes.opt_nvme:
@@ -239,7 +242,7 @@ class StepSchedule:
                 self.update_in_memory(u, p.grads.update_input(u), list(u.grads.written), scale, hyper)
                 gathers.ready(u)
         p.stats.optimizer_wait_seconds += time.perf_counter() - t0  # updates in step() hide behind nothing
-        gathers.finish()
+        return gathers.finish()
 
     def update_in_memory(self, u, grad, written: List[bool], scale: float, hyper=None, undo=None) -> None:
         """One unit's update with its optimizer state in memory (host or
@@ -297,7 +300,8 @@ class StepSchedule:
                 p.optstate.discard(u)
             p.grads.release(u)
 
-    def _refresh_compute_copies(self) -> None:
+    def _refresh_compute_copies(self, refreshed=frozenset()) -> None:
+        """The new values reach the device: ``refreshed`` (unit indices) did already."""
         p = self.p
         if not p.modes.host_optimizer:
             # The optimizer ran on the device: write the new compute copies.
@@ -312,7 +316,7 @@ class StepSchedule:
                     p.mover.d2h(p.host_cache.home(u)[:tn], u.opt.master.to(p.modes.dtype)).wait()
                 else:
                     p.host_cache.home(u)[:tn].copy_(u.opt.master)
-        p.residency.invalidate()
+        p.residency.invalidate(refreshed)
 
     # -- other calls ---------------------------------------------------------------------
 
