@@ -20,8 +20,8 @@ Measured here once (2 cores, 24 GiB RAM, one virtual disk; ``--steps 2 --seq
 GiB, peak RSS 5.87 GiB, swap files 60.15 GiB; built in 288 s (the RNG replay),
 initialised in 344 s with a peak RSS of 8.94 GiB (over the 8 GiB target: the
 estimate does not count initialisation's transient fp32 values), step 1 in
-1702 s moving 57.2 GiB from and 57.9 GiB to NVMe (disk-bound, ~70 MB/s
-each way) at a peak RSS of 6.02 GiB through its backward and updates; step
+1702 s moving 57.2 GiB from and 57.9 GiB to NVMe (disk-bound, ~72 MB/s
+in all) at a peak RSS of 6.02 GiB through its backward and updates; step
 2's forward reached 8.00 GiB (7.997) and the run was stopped there for time.
 """
 
