@@ -18,9 +18,17 @@ that process's peak RSS. Free disk is checked first for the swap files plus
 one checkpoint (about 26 bytes a parameter; ~2.5 B parameters fit the ~80 GB
 free here: ``--layers 32``).
 
+With ``--shape llama3-8b`` it trains a Llama-3-8B-shaped Hugging Face model
+instead (hidden 4096, 32 layers, intermediate 14336, vocabulary 128256, 8
+KV heads, untied head: 8.03 B parameters) with int8 moments and a bf16
+master (about 8 bytes a parameter on disk), the embedding and the head their
+own paging units, their state and gradients streamed in chunks; the
+estimator's need (disk, RSS) is printed and the free disk checked first.
+
 Usage: python scripts/scale_demo.py [--layers 51 --embd 2560] [--steps 3]
                                     [--host-memory 5.5GiB] [--device-memory 1GiB] [--swap-dir DIR]
                                     [--checkpoint DIR]
+       python scripts/scale_demo.py --shape llama3-8b --steps 2 --swap-dir DIR
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ from _common import rss_bytes  # noqa: E402  (scripts/bench/_common.py)
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=["gpt", "llama3-8b"], default="gpt",
+                    help="gpt: the GPT of --layers/--embd (default); llama3-8b: a Llama-3-8B-shaped HF model "
+                         "(scripts/scale_llama.py; --layers/--embd/--heads/--vocab ignored)")
     ap.add_argument("--layers", type=int, default=51, help="GPT blocks (default 51: ~4 B params at --embd 2560)")
     ap.add_argument("--embd", type=int, default=2560, help="embedding width, a multiple of --heads (default 2560)")
     ap.add_argument("--heads", type=int, default=20, help="attention heads (default 20)")
@@ -92,15 +103,16 @@ def disk_check(args, n: int):
     return paths
 
 
-def train(model, opt, args) -> tuple:
-    """args.steps steps on one fixed batch, each printed: (x, y, losses, step seconds)."""
+def train(model, opt, args, loss_fn=None) -> tuple:
+    """args.steps steps on one fixed batch, each printed: (x, y, losses, step
+    seconds); ``loss_fn(model, x, y)`` (default ``model(x, y)``)."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
     y = torch.roll(x, -1, dims=1)
     losses, times = [], []
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        loss = model(x, y)
+        loss = model(x, y) if loss_fn is None else loss_fn(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -116,6 +128,9 @@ def train(model, opt, args) -> tuple:
 
 def main() -> int:
     args = parse_args()
+    if args.shape == "llama3-8b":
+        from scale_llama import main_llama  # noqa: E402  (scripts/scale_llama.py)
+        return main_llama(args, train)
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                     n_embd=args.embd)
     n = cfg.num_params()

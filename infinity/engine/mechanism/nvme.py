@@ -14,7 +14,9 @@ unit's states while the current one is updated and the previous one's are
 written back. A unit's fp32 gradients stay in a host buffer from its first
 gradient to its update; with ``overlap="backward"`` they never touch the disk.
 Otherwise they are written to the swap files when the unit's backward is done
-and read back by ``step()``.
+and read back by ``step()``. A unit whose state is streamed in chunks sends
+its gradients to the swap files chunk by chunk where nothing needs them
+whole ([Note: gradients streamed in chunks] in owners/grad_chunks.py).
 
 Where the code is: the cache, its write-back and the reclaim ladder in
 host_cache.py; the optimizer state's check-out, read-ahead and check-in in

@@ -48,6 +48,8 @@ class KeptZeros:
         kept = [ti for ti, (h, w) in enumerate(zip(rec.had, rec.written)) if h and not w]
         if not kept:
             return
+        if u.place.grad_chunked:
+            return self._fill_streamed(u, kept)
         buf = self.update_input(u)
         if buf is None:  # NVMe optimizer state: a transient buffer, maybe spilled
             return self._fill_spilled(u, kept)
@@ -70,6 +72,20 @@ class KeptZeros:
             if a < b:
                 buf[a:b].zero_()
             u.grads.written[ti] = True
+
+    def _fill_streamed(self, u, kept: List[int]) -> None:
+        """Gradients streamed in chunks: the zeros land in the chunks as a
+        gradient would, which then go to NVMe ([Note: gradients streamed in
+        chunks] in grad_chunks.py)."""
+        rec = u.grads
+        if rec.home in (GradHome.NONE, GradHome.SPILLED):
+            rec.home = transition(u.name, "grad home", rec.home, GradHome.HOST)
+        for ti in kept:
+            self.chunked.land_zeros(u, ti)
+            rec.written[ti] = True
+        if rec.state is GradState.CLEAN:
+            rec.state = transition(u.name, "grad", rec.state, GradState.ACCUMULATING)
+        self.spill(u)
 
     def _fill_spilled(self, u, kept: List[int]) -> None:
         """NVMe optimizer state: zeros written into the spilled gradients (or

@@ -38,6 +38,7 @@ from ..plan.placement import device_reduce_bytes
 from .grad_buckets import Bucket, bucket_elems, land, make_buckets, open_stage, runs_of
 from .grad_device import DeviceGrad, drop_full, issue_reduction, land_slot, open_full
 from .grad_kept import KeptZeros
+from .grad_chunks import Chunks, ChunkedGrads, GradStream
 from .grad_norm import fixed_bits, sum_of_squares, unit_part
 
 __all__ = ["GradRecord", "Gradients"]
@@ -63,6 +64,7 @@ class GradRecord:
     device: DeviceGrad = field(default_factory=DeviceGrad)  # the device path (grad_device.py)
     anywhere: Optional[tuple] = None          # the flags' OR over the ranks in flight (grad_written.py)
     norm_part: Optional[tuple] = None         # (written, share of the squared norm, buffer) taken ahead of step()
+    chunks: Chunks = field(default_factory=Chunks)  # streamed in chunks (grad_chunks.py)
 
 
 class Gradients(KeptZeros):
@@ -88,6 +90,8 @@ class Gradients(KeptZeros):
             and not modes.reduce_on_device  # whole units gather on the device instead
         reserve = device_tier.transient_reserve if device_tier is not None else 0
         self._bucket_elems = bucket_elems(reserve, GRAD_BUCKET_BYTES, modes.dtype.itemsize)
+        # See [Note: gradients streamed in chunks] in grad_chunks.py.
+        self.chunked = ChunkedGrads(room, nvme, mover, modes.grad_dtype)
         self.drop_buffers()
 
     def drop_buffers(self) -> None:
@@ -162,6 +166,12 @@ class Gradients(KeptZeros):
         if self.modes.reduce_on_device:  # See [Note: a unit's gradients on the device] in grad_device.py
             self._open_device(u)
             land_slot(rec.device, u.layout, ti, g, accumulate)
+            rec.pending -= 1
+            return rec.pending == 0
+        if u.place.grad_chunked:  # See [Note: gradients streamed in chunks] in grad_chunks.py
+            if rec.home in (GradHome.NONE, GradHome.SPILLED):
+                rec.home = transition(u.name, "grad home", rec.home, GradHome.HOST)
+            self.chunked.land(u, ti, g, accumulate)
             rec.pending -= 1
             return rec.pending == 0
         if rec.grad is None:  # a transient buffer until the update (NVMe state, ZeRO 2-3)
@@ -306,6 +316,10 @@ class Gradients(KeptZeros):
         rec = u.grads
         if rec.home is not (GradHome.CLAIMED if claimed else GradHome.HOST):
             return
+        if u.place.grad_chunked:
+            self.chunked.close(u)
+            rec.home = transition(u.name, "grad home", rec.home, GradHome.SPILLED)
+            return
         self.wait(u)
         h = self.nvme.write(swap_key(u.index, "grad"), rec.grad)
         self.room.defer_release(h, rec.buf)
@@ -331,7 +345,7 @@ class Gradients(KeptZeros):
         """Reads spilled gradients back into a host buffer (for the norm or the
         update); the read in flight when ``wait`` is False, else None."""
         rec = u.grads
-        if rec.home is not GradHome.SPILLED:
+        if rec.home is not GradHome.SPILLED or u.place.grad_chunked:  # streamed: read by the update's stream
             return None
         g, buf = self.room.acquire(u.place.trainable_numel, self.modes.grad_dtype, protect=u,
                                     compute=self._with_copies)
@@ -358,6 +372,8 @@ class Gradients(KeptZeros):
     def claim(self, u) -> None:
         """An update during backward takes ``u``'s host buffer (it releases it)."""
         rec = u.grads
+        if u.place.grad_chunked:
+            self.chunked.close(u)  # every parameter landed: nothing is open
         if rec.home is GradHome.HOST:
             rec.home = transition(u.name, "grad home", rec.home, GradHome.CLAIMED)
 
@@ -365,6 +381,9 @@ class Gradients(KeptZeros):
         """Frees ``u``'s transient buffer once every copy and reduction into or
         out of it is done. Safe from two threads (main and optimizer's)."""
         rec = u.grads
+        if u.place.grad_chunked:
+            with self.room.lock:
+                self.chunked.drop(u)
         if rec.buf is not None:
             self.wait(u)
             with self.room.lock:
@@ -441,7 +460,10 @@ class Gradients(KeptZeros):
     # -- the step ------------------------------------------------------------------------
 
     def update_input(self, u) -> Optional[torch.Tensor]:
-        """The buffer an update reads: the own shard under ZeRO, else the full one."""
+        """The buffer an update reads: the own shard under ZeRO, else the full
+        one; a :class:`GradStream` for gradients streamed in chunks (None: no gradient)."""
+        if u.place.grad_chunked:
+            return GradStream(self.chunked, u) if u.grads.home is not GradHome.NONE else None
         return u.grads.shard if self.modes.zero else u.grads.grad
 
     def swap_delayed(self, u) -> torch.Tensor:

@@ -190,31 +190,37 @@ class OptimizerState:
         self._forget(u)
         o.fresh = False
 
-    def stream(self, u, update, keep_old: bool = False) -> None:
+    def stream(self, u, update, keep_old: bool = False, grad=None) -> None:
         """Runs ``update(window)`` (returning the kernel's checksums, kind ->
         sums, or None) once per chunk of ``u``'s checked-out state, with
         ``u.opt``'s buffers the chunk's: reads chunk c+1 meanwhile and writes
         chunk c back after (``keep_old``: copy-on-write, as :meth:`checkin`).
-        See [Note: state streamed in chunks]."""
+        ``grad``: a grad_chunks.GradStream whose chunks are read alongside
+        (its ``current`` the chunk's gradients). See [Note: state streamed in
+        chunks] and [Note: gradients streamed in chunks] in grad_chunks.py."""
         o, wins = u.opt, u.place.windows
         kinds = self._home_kinds(u)
         whole_master = o.master  # aliased: the cached compute copy, locked at checkout
-        cur, nxt = None, self._read_chunk(u, kinds, 0)
+        cur, nxt = None, self._read_chunk(u, kinds, 0, grad)
         try:
             for c, (c0, c1) in enumerate(wins):
                 cur, nxt = nxt, None
                 for h in cur[1]:
                     h.wait()
                 if c + 1 < len(wins):
-                    nxt = self._read_chunk(u, kinds, c + 1)
+                    nxt = self._read_chunk(u, kinds, c + 1, grad)
                 for kind, t in zip(kinds, cur[0]):
                     setattr(o, kind, t)
                 if u.place.aliased:
                     o.master = whole_master[c0:c1]
+                if grad is not None:
+                    grad.current = cur[3]
                 sums = update((c0, c1)) or {}
                 for kind, t, buf in zip(kinds, cur[0], cur[2]):
                     self.room.defer_release(self.nvme.write(swap_key(u.index, kind, c), t, sums.get(kind), keep_old),
                                            buf)
+                for buf in cur[2][len(kinds):]:  # the gradient chunk: read only
+                    self.room.release(buf)
                 cur = None
         finally:
             for piece in (cur, nxt):  # after a fault: the reads settle, the buffers go back
@@ -225,11 +231,18 @@ class OptimizerState:
             for kind in kinds:
                 setattr(o, kind, None)
             o.master = whole_master
+            if grad is not None:
+                grad.current = None
 
-    def _read_chunk(self, u, kinds, c: int) -> tuple:
-        """(tensors, read handles, pool handles) of chunk ``c`` of ``u``'s ``kinds``."""
+    def _read_chunk(self, u, kinds, c: int, grad=None) -> tuple:
+        """(tensors, read handles, pool handles, gradient chunk or None) of
+        chunk ``c`` of ``u``'s ``kinds`` (and of ``grad``'s chunk, its pool
+        handle last)."""
         c0, c1 = u.place.windows[c]
         ts, handles, bufs = [], [], []
+        g = grad.read(c) if grad is not None else None
+        if g is not None:
+            handles.append(g[1])
         for kind in kinds:
             fresh = kind != "master" and u.opt.fresh
             t, buf = self.room.acquire(kind_numel(kind, c1) - kind_numel(kind, c0),
@@ -238,7 +251,7 @@ class OptimizerState:
             bufs.append(buf)
             if not fresh:
                 handles.append(self.nvme.read(swap_key(u.index, kind, c), t))
-        return ts, handles, bufs
+        return ts, handles, bufs + ([g[2]] if g is not None else []), (g[0] if g is not None else None)
 
     # -- copy-on-write (speculative updates) ---------------------------------------------------
 

@@ -8,7 +8,7 @@ follows from another where it does, so changing one changes both sides.
 """
 
 __all__ = ["DEVICE_ALIGN", "POOL_ALIGN", "MAX_QUEUED", "BUFFERS_PER_UPDATE", "PIPELINE_BUFFERS", "PIPELINE_GRAD_BUFFERS",
-           "PIPELINE_STATE_BUFFERS", "STATE_KINDS", "MAX_REDUCING",
+           "PIPELINE_STATE_BUFFERS", "STREAM_GRAD_BUFFERS", "STATE_KINDS", "MAX_REDUCING",
            "ZERO_REDUCING_UNITS", "STAGING_PER_PATH", "GRAD_BUCKET_BYTES", "GRAD_STAGING_BLOCKS", "GRAD_STAGING_BLOCK_BYTES", "RUNTIME_THREADS_CUDA", "optimizer_threads"]
 
 DEVICE_ALIGN = 512   # bytes; device arena ranges start here (tiers.DeviceTier), one per unit in the device need
@@ -29,6 +29,10 @@ STATE_KINDS = BUFFERS_PER_UPDATE - 1  # master, exp_avg, exp_avg_sq
 PIPELINE_GRAD_BUFFERS = MAX_QUEUED + 1
 PIPELINE_STATE_BUFFERS = MAX_QUEUED * STATE_KINDS
 PIPELINE_BUFFERS = PIPELINE_GRAD_BUFFERS + PIPELINE_STATE_BUFFERS
+# Gradients streamed in chunks ([Note: gradients streamed in chunks] in
+# owners/grad_chunks.py): an update's stream holds the gradient chunk being
+# updated and the next one being read (OptimizerState.stream).
+STREAM_GRAD_BUFFERS = 2
 
 # ZeRO stages 2-3 free a unit's full gradients only after their reduction: at
 # most MAX_REDUCING units wait for it (grads.Gradients), besides the one whose

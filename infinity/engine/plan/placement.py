@@ -17,8 +17,10 @@ gradients). What is transient comes on top:
   the largest unit (the prefetched ones, the one computing, one being
   written back) and the root's;
 - NVMe optimizer state: ``PIPELINE_GRAD_BUFFERS`` fp32 gradient buffers of
-  the largest unit (two units' in the optimizer's pipeline, and the unit's
-  whose backward runs), ``PIPELINE_STATE_BUFFERS`` fp32 state buffers of one
+  the largest unit whose gradients are kept whole (two units' in the
+  optimizer's pipeline, and the unit's whose backward runs), the chunk
+  buffers of gradients streamed in chunks (``streamed_grad_bytes``, the
+  largest unit's), ``PIPELINE_STATE_BUFFERS`` fp32 state buffers of one
   chunk (``Config.state_chunk_bytes``, or the largest unit's state if
   smaller: two sets of master and moments, see [Note: state streamed in
   chunks] in owners/optstate.py) and one compute copy;
@@ -35,6 +37,7 @@ All host buffers are rounded up to ``POOL_ALIGN``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -42,11 +45,12 @@ import torch
 
 from .opt_kinds import kind_dtype, kind_numel, state_bytes, state_kinds
 from .limits import (DEVICE_ALIGN, GRAD_STAGING_BLOCK_BYTES, GRAD_STAGING_BLOCKS, PIPELINE_BUFFERS,  # [Note: limits
-                     PIPELINE_GRAD_BUFFERS, PIPELINE_STATE_BUFFERS, POOL_ALIGN, ZERO_REDUCING_UNITS)  # that must agree]
+                     PIPELINE_GRAD_BUFFERS, PIPELINE_STATE_BUFFERS, POOL_ALIGN, STREAM_GRAD_BUFFERS,
+                     ZERO_REDUCING_UNITS)  # that must agree]
 
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need", "grad_staging",
            "nvme_capacity", "modes_of", "speculation_needed", "speculation_unsupported", "undo_bytes", "spillable",
-           "nbytes", "round_pool", "state_pool_bytes", "host_reduction_reason", "host_gather_reason", "device_reduce_bytes", "stage1_full_grads", "POOL_ALIGN",
+           "nbytes", "round_pool", "state_pool_bytes", "host_reduction_reason", "host_gather_reason", "grad_streaming", "streamed_grad_bytes", "device_reduce_bytes", "stage1_full_grads", "POOL_ALIGN",
            "DEVICE_ALIGN", "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
 
@@ -88,6 +92,8 @@ class Modes:
     state_chunk: int = 0      # NVMe state streamed in chunks of this many elements (Config.state_chunk_bytes / 4);
     #                           0: whole units. See [Note: state streamed in chunks]
     gather_on_device: bool = False  # stages 1-2: updated copies gathered on the device (host_gather_reason)
+    stream_grads: bool = False  # a chunked unit's gradients go to NVMe chunk by chunk ([Note: gradients streamed
+    #                             in chunks] in owners/grad_chunks.py; grad_streaming says when)
 
     @property
     def params_on_device(self) -> bool:
@@ -136,7 +142,23 @@ def modes_of(config, world: int, device: torch.device) -> Modes:
                  host_reduction_reason(config.zero_stage, world, config.grad_accumulation_steps,
                                        config.offload_optimizer, config.overlap) is None,
                  config.moment_dtype, config.master_dtype, config.state_chunk_bytes // 4,
-                 host_gather_reason(config.zero_stage, world, config.offload_params) is None)
+                 host_gather_reason(config.zero_stage, world, config.offload_params) is None,
+                 grad_streaming(config, world) is None)
+
+
+def grad_streaming(config, world: int) -> Optional[str]:
+    """None when the gradients of a unit whose NVMe state is streamed in
+    chunks go to NVMe chunk by chunk as they arrive (``Config`` ``config`` on
+    ``world`` ranks), else why they stay in one host buffer a unit: they are
+    summed over ranks there, or ``step()`` reads them whole for the norm
+    (clipping, fp16's overflow check). See [Note: gradients streamed in chunks] in owners/grad_chunks.py."""
+    if config.offload_optimizer != "nvme":
+        return "offload_optimizer is not 'nvme'"
+    if world > 1 or config.zero_stage:
+        return "several ranks or ZeRO: the gradients are reduced in one buffer"
+    if config.max_grad_norm is not None or config.dtype == "fp16":
+        return "clipping or fp16: step() reads each unit's gradients whole for the norm"
+    return None
 
 
 def host_reduction_reason(stage: int, world: int, accum_steps: int, optimizer: str = "host",
@@ -236,6 +258,8 @@ class UnitPlacement:
     compute_bytes: int    # bytes of the device copy
     aliased: bool         # [Note: fp32 master aliasing]: the master is the compute copy
     chunk_numel: int = 0  # elements per streamed chunk of the state; 0: one piece ([Note: state streamed in chunks])
+    grad_chunked: bool = False  # the gradients go to NVMe chunk by chunk ([Note: gradients streamed in chunks])
+    trainable_slots: int = 0    # trainable parameters: at most this many gradient chunks are open at once
 
     @property
     def trainable(self) -> bool:
@@ -267,11 +291,15 @@ def place_unit(layout, modes: Modes) -> UnitPlacement:
     n, tn = layout.numel, layout.trainable_numel
     aliased = (modes.params_nvme and modes.opt_nvme and modes.dtype == torch.float32 and modes.zero == 0
                and not modes.delayed and tn > 0 and len(layout.trainable_slots) == len(layout.slots))
-    return UnitPlacement(compute_numel=n, trainable_numel=tn,
+    p = UnitPlacement(compute_numel=n, trainable_numel=tn,
                          home_numel=n // modes.world if modes.zero == 3 else n,
                          state_numel=tn // modes.world if modes.zero else tn,
                          compute_bytes=nbytes(n, modes.dtype), aliased=aliased,
-                         chunk_numel=modes.state_chunk if modes.opt_nvme else 0)
+                         chunk_numel=modes.state_chunk if modes.opt_nvme else 0,
+                         trainable_slots=len(layout.trainable_slots))
+    if p.chunked and modes.stream_grads:
+        p = dataclasses.replace(p, grad_chunked=True)
+    return p
 
 
 @dataclass(frozen=True)
@@ -339,11 +367,12 @@ class HostNeed:
 def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
     """The host tier's needs for units placed ``places`` (the root first)."""
     perm = cache_all = nvme = zero_transient = chunk_keys = 0
-    largest_c = largest_t = largest_s = 0
+    largest_c = largest_t = largest_s = streamed = 0
     for p in places:
         cb = round_pool(p.compute_bytes)
         tb = round_pool(nbytes(p.trainable_numel, torch.float32)) if p.trainable else 0
-        largest_c, largest_t = max(largest_c, cb), max(largest_t, tb)
+        largest_c, largest_t = max(largest_c, cb), max(largest_t, tb if not p.grad_chunked else 0)
+        streamed = max(streamed, streamed_grad_bytes(p, modes))
         largest_s = max(largest_s, tb if not p.chunked else round_pool(nbytes(p.chunk_numel, torch.float32)))
         if modes.compute_home_host:
             perm += round_pool(p.compute_bytes // modes.world) if modes.zero == 3 else cb * (2 if modes.delayed else 1)
@@ -359,8 +388,8 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
             gb = round_pool(nbytes(p.trainable_numel, modes.grad_dtype))
             k = (0 if modes.zero else gb) + state_pool_bytes(p, modes, sb, master=not p.aliased)
             cache_all, nvme = cache_all + k, nvme + k
-            chunk_keys += (len(p.windows) - 1) * len(state_kinds(modes.moment_dtype))
-    pipeline = PIPELINE_GRAD_BUFFERS * largest_t + PIPELINE_STATE_BUFFERS * largest_s + largest_c
+            chunk_keys += (len(p.windows) - 1) * (len(state_kinds(modes.moment_dtype)) + p.grad_chunked)
+    pipeline = PIPELINE_GRAD_BUFFERS * largest_t + streamed + PIPELINE_STATE_BUFFERS * largest_s + largest_c
     minimum = perm
     if modes.params_nvme:
         minimum += (modes.depth + NVME_CACHE_SPARE) * largest_c + round_pool(places[0].compute_bytes)
@@ -378,6 +407,18 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
     cow = _cow_bytes(places, modes)
     return HostNeed(perm, minimum, capacity, nvme, spill, undo, cow,
                     KINDS_PER_UNIT + len(state_kinds(modes.moment_dtype)) - len(state_kinds("fp32")), chunk_keys)
+
+
+def streamed_grad_bytes(p: UnitPlacement, modes: Modes) -> int:
+    """Host bytes the gradients of a unit streamed in chunks take at most
+    (0 for one kept whole): its open chunks while its backward runs, one per
+    trainable parameter at most (a chunk stays open while a parameter in it
+    has no gradient yet), and ``STREAM_GRAD_BUFFERS`` chunks of an update's
+    stream. See [Note: gradients streamed in chunks] in owners/grad_chunks.py."""
+    if not p.grad_chunked:
+        return 0
+    chunk = round_pool(nbytes(p.chunk_numel, modes.grad_dtype))
+    return (min(len(p.windows), max(1, p.trainable_slots)) + STREAM_GRAD_BUFFERS) * chunk
 
 
 def _cow_bytes(places: List[UnitPlacement], modes: Modes) -> int:

@@ -269,7 +269,9 @@ class StepSchedule:
         p = self.p
         p.fence.wait_unit(u)
         # See [Note: state streamed in chunks] in owners/optstate.py.
-        stream = (lambda fn: p.optstate.stream(u, fn, keep_old)) if u.place.chunked else None
+        # Gradients streamed in chunks (a GradStream) come with the state's: [Note: gradients streamed in chunks].
+        chunked_grad = grad if u.place.grad_chunked else None
+        stream = (lambda fn: p.optstate.stream(u, fn, keep_old, chunked_grad)) if u.place.chunked else None
         sums = self.updater.run(u, grad, written, p.host_cache.open_for_update(u, all(written)), scale, live=True,
                                 hyper=hyper, stream=stream)
         p.optstate.checkin(u, sums, keep_old)

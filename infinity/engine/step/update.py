@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...optim.functional import adamw_step_, group_hyper
+from ..owners.grad_chunks import GradStream
 from ..owners.optstate import KINDS
 from ..plan.opt_kinds import QBLOCK
 
@@ -195,8 +196,11 @@ class Updater:
             ranges, st = self._in_window(u, global_ranges, win)
         if not ranges:
             return None
-        gr = [self.local(u, a, b, grad) for a, b in ranges]
-        ps, gs = [o.master[a:b] for a, b in st], [grad[a:b] for a, b in gr]
+        if isinstance(grad, GradStream):  # the window's gradient chunk: indexed as the state's
+            gs = [grad.current[a:b] for a, b in st]
+        else:
+            gs = [grad[a:b] for a, b in (self.local(u, a, b, grad) for a, b in ranges)]
+        ps = [o.master[a:b] for a, b in st]
         ms, vs = [o.exp_avg[a:b] for a, b in st], [o.exp_avg_sq[a:b] for a, b in st]
         # ZeRO-3: the home copy is the shard, trainable part first.
         out_ranges = (self._shard_local(u, ranges) if win is not None else st) if self.modes.zero == 3 else ranges
