@@ -23,7 +23,7 @@ def _train(case: dict, overlap: str, rank: int, world: int) -> dict:
                           offload_optimizer=case.get("optimizer", "host"), host_memory="64MiB",
                           zero_stage=case["stage"], overlap=overlap, max_grad_norm=case.get("clip"),
                           grad_accumulation_steps=accum, swap_paths=[case.get("swap", "./infinity-swap")],
-                          swap_block_size=4096)
+                          swap_block_size=4096, master_dtype=case.get("master_dtype", "fp32"))
     model, opt = infinity.initialize(unequal_net(hidden=(16, 8, 24, 8)), cfg, lr=1e-2, weight_decay=0.1)
     try:
         data, losses = batches(len(factors) * accum, b=world), []

@@ -202,7 +202,9 @@ class _Mapper:
         if key == "enabled":
             return
         if key == "bf16_optimizer_states" and name == "bf16":
-            self.bf16_states(path, value)
+            self.bf16_states(path, value, "moment_dtype", "moments")
+        elif key == "bf16_master_weights_and_grads" and name == "bf16":
+            self.bf16_states(path, value, "master_dtype", "master")
         elif key in loss_keys:
             fieldname, v = loss_keys[key]()
             if name == "bf16":
@@ -213,19 +215,27 @@ class _Mapper:
             check_kind(path, key, value)
             self.r.ignored[path] = FP_IGNORED[key]
         else:
-            self.r.unknown[path] = "not a DeepSpeed key" + nearest(key, ["enabled", *loss_keys, *FP_IGNORED])
+            known = ["enabled", "bf16_optimizer_states", "bf16_master_weights_and_grads", *loss_keys, *FP_IGNORED]
+            self.r.unknown[path] = "not a DeepSpeed key" + nearest(key, known)
 
-    def bf16_states(self, path: str, value: Any) -> None:
-        """DeepSpeed's ``bf16.bf16_optimizer_states`` (deepspeed/runtime/precision_config.py,
-        PR #8010: Adam moments kept in bf16) is ``Config.moment_dtype="bf16"``
-        where bf16 is enabled; infinity's master stays fp32 (DeepSpeed also
-        needs ``bf16_master_weights_and_grads``, ignored here)."""
+    def bf16_states(self, path: str, value: Any, fieldname: str, what: str) -> None:
+        """DeepSpeed's ``bf16.bf16_optimizer_states`` (Adam moments in bf16) and
+        ``bf16.bf16_master_weights_and_grads`` (master weights and gradients in
+        bf16; deepspeed/runtime/precision_config.py, PRs #7700 and #8010) are
+        ``Config.moment_dtype="bf16"`` and ``Config.master_dtype="bf16"``
+        (``fieldname``) where bf16 is enabled. infinity's gradients are in the
+        compute dtype already; its bf16 master is updated with stochastic
+        rounding, so its numbers are not DeepSpeed's (see docs/config.md)."""
         if not ds_bool(path, value):
-            self.r.ignored[path] = "false: the moments stay fp32 (Config.moment_dtype='fp32')"
+            self.r.ignored[path] = f"false: the {what} stay fp32 (Config.{fieldname}='fp32')"
         elif self.kw.get("dtype") != "bf16":
-            self.r.ignored[path] = "bf16 is not enabled, so DeepSpeed keeps fp32 optimizer states"
+            self.r.ignored[path] = f"bf16 is not enabled, so DeepSpeed keeps the {what} in fp32"
         else:
-            self.set(path, "moment_dtype", "bf16")
+            self.set(path, fieldname, "bf16")
+            if fieldname == "master_dtype":
+                self.r.warnings.append("bf16.bf16_master_weights_and_grads: infinity's bf16 master is updated "
+                                       "with stochastic rounding seeded by Config.seed (a resumed run is "
+                                       "bit-exact), so its numbers are not DeepSpeed's")
 
     def zero(self, path: str, z: Any) -> None:
         if isinstance(z, bool):  # DeepSpeed's deprecated form: true is stage 1

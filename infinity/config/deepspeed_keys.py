@@ -75,7 +75,6 @@ FP_IGNORED = {
     "hysteresis": "the scale halves on every overflow (no hysteresis)",
     "consecutive_hysteresis": "the scale halves on every overflow (no hysteresis)",
     "auto_cast": "the model runs in Config.dtype", "fp16_master_weights_and_grads": "the master is fp32",
-    "bf16_master_weights_and_grads": "the master is fp32 (bf16_optimizer_states maps to Config.moment_dtype='bf16')",
     "immediate_grad_update": "no effect", "check_grad_overflow": "overflow is checked in fp16 only",
 }
 # Every alias of a stage3_* key is ignored as the key is (DeepSpeed reads both names).

@@ -164,21 +164,6 @@ def test_another_master_dtype_converts_with_one_warning(tmp_path):
         assert all(torch.equal(got[k], saved[k].bfloat16().float()) for k in saved)
 
 
-def test_backward_overlap_with_clipping_waits_for_step_and_gives_the_same_bytes(tmp_path):
-    """No speculation with a bf16 master (the kernel saves no undo state):
-    overlap='backward' with clipping updates at step() and gives overlap='step''s bytes."""
-    out = {}
-    for overlap in ("step", "backward"):
-        model, opt = infinity.initialize(make(), config(tmp_path, overlap, overlap=overlap, max_grad_norm=0.05),
-                                         lr=LR, weight_decay=WD)
-        losses = train(model, opt, batches(3))
-        out[overlap] = (losses, infinity.full_state_dict(model), infinity.stats(model)["speculation"]["steps"])
-        infinity.close(model)
-    (la, pa, _), (lb, pb, spec) = out["step"], out["backward"]
-    assert la == lb and spec == 0
-    assert all(torch.equal(pa[k], pb[k]) for k in pa)
-
-
 def test_zero_stages_on_two_ranks_give_the_same_bf16_master(tmp_path):
     """ZeRO 1-3 cut the master into shards; each shard's stochastic rounding
     is keyed by the element's index in its parameter (not in the shard), so

@@ -87,11 +87,13 @@ def test_quick_main_job(tmp_path):
     assert 0 < rss["at_start_bytes"] <= rss["before_initialize_bytes"] <= res["peak_rss_bytes"]
     assert res["timing_consistent"] == (res["overhead_ratio"] >= res["bound_ratio"])
     assert ("timing too noisy to trust" in r.stdout) != res["timing_consistent"]
-    # The Trainer's default clipping is on; with parameters on NVMe the updates wait for step() and the run says why.
+    # The Trainer's default clipping is on; with parameters and state on NVMe the updates still run during
+    # backward, speculatively ([Note: speculation with NVMe parameters]), and the run reports how it went.
     sp = acc["speculation"]
-    assert res["max_grad_norm"] == 1.0 and "offload_params='nvme'" in sp["off"], sp
-    assert sp["steps"] == 0 and sp["replay_rate"] is None and acc["hidden"] == 0.0, acc
-    assert "clipping at max_grad_norm=1: the updates wait for optimizer.step() (speculation off" in r.stdout
+    assert res["max_grad_norm"] == 1.0 and sp["off"] is None, sp
+    assert sp["steps"] >= 1 and sp["steps"] + sp["waited"] == res["steps"], sp
+    assert sp["committed"] + sp["replayed"] + sp["skipped"] == sp["steps"], sp
+    assert f"clipping at max_grad_norm=1: {sp['steps']} of {res['steps']} steps updated speculatively" in r.stdout
 
 
 def test_main_job_with_host_state_speculates_under_clipping(tmp_path):

@@ -31,7 +31,8 @@ def case(stage, clip=None, **kw):
 # Stage 2 with the parameters on the device: its copies are gathered on the device group, after a
 # rollback too ([Note: where the updated copies are gathered] in infinity/engine/step/copy_gathers.py).
 FAST = [case(0, "some"), case(1, "some"), case(2, "some", params="none"), case(3, "some", accum=2),
-        case(2, dtype="fp16", factors=OVERFLOW, params="none")]
+        case(2, dtype="fp16", factors=OVERFLOW, params="none"),
+        case(1, "some", dtype="bf16", master_dtype="bf16")]  # a bf16 master: the own shard's, saved ahead
 FULL = [case(s, c, **kw) for s in (0, 1, 2, 3) for c in ("never", "always", "some") for kw in ({}, {"accum": 3})] + \
     [case(s, "some", params="none") for s in (0, 1, 2)] + \
     [case(s, dtype="fp16", factors=OVERFLOW) for s in (0, 1, 3)] + [case(s, "some", dtype="bf16") for s in (0, 3)]
@@ -76,8 +77,8 @@ def check(c: dict, ranks: list) -> None:
 
 def test_speculation_on_two_ranks_bitwise_as_overlap_step(tmp_path):
     """Stage 0 and ZeRO 1-3, clipping on some steps (stage 3 with
-    accumulation), and fp16 with an overflow at stage 2 (stage 2 with the
-    parameters on the device)."""
+    accumulation), fp16 with an overflow at stage 2 (stage 2 with the
+    parameters on the device), a bf16 master at stage 1."""
     for c, ranks in zip(FAST, spawn(tmp_path, FAST)):
         check(c, ranks)
 
@@ -92,7 +93,22 @@ def test_speculation_on_two_ranks_full_matrix(tmp_path):
 
 def test_speculation_with_nvme_optimizer_state_on_two_ranks(tmp_path):
     """NVMe optimizer state ([Note: speculation with NVMe optimizer state]):
-    stage 0 and ZeRO-2, clipping on some steps."""
-    cases = [case(s, "some", optimizer="nvme", swap=str(tmp_path / "swap")) for s in (0, 2)]
+    stage 0 and ZeRO-2, clipping on some steps; at stage 3 the parameters
+    on NVMe too ([Note: speculation with NVMe parameters]; stage 2's are in
+    the slow test below)."""
+    cases = [case(s, "some", optimizer="nvme", swap=str(tmp_path / "swap")) for s in (0, 2)] + \
+        [case(3, "some", optimizer="nvme", params="nvme", swap=str(tmp_path / "swap"))]
+    for c, ranks in zip(cases, spawn(tmp_path, cases)):
+        check(c, ranks)
+
+
+@pytest.mark.slow
+def test_speculation_with_nvme_parameters_on_two_ranks(tmp_path):
+    """Parameters on NVMe at stage 2 (the own shard inside the full copy)
+    with the optimizer state on the host and on NVMe, stage 0 with both on
+    NVMe (the aliased fp32 master), clipping on some and on every step."""
+    sw = str(tmp_path / "swap")
+    cases = [case(2, c, optimizer=o, params="nvme", swap=sw) for o in ("host", "nvme") for c in ("some", "always")] + \
+        [case(0, "some", optimizer="nvme", params="nvme", swap=sw)]
     for c, ranks in zip(cases, spawn(tmp_path, cases)):
         check(c, ranks)

@@ -212,6 +212,21 @@ class HostCache:
             h.sums = None  # updated in place from here on
             return h.compute, read
 
+    def copy_home(self, u, dst: torch.Tensor, lo: int = 0) -> None:
+        """Copies ``u``'s compute copy [lo, lo + dst.numel()) into ``dst``;
+        an NVMe home is read into the cache first (and stays there, clean or
+        dirty as it was, for the update that follows)."""
+        if not self.nvme_home(u):
+            dst.copy_(u.host.compute[lo:lo + dst.numel()])
+            return
+        comp, read = self.lock_master(u)
+        try:
+            if read is not None:
+                read.wait()
+            dst.copy_(comp[lo:lo + dst.numel()])
+        finally:
+            self.unlock_master(u)
+
     def unlock_master(self, u) -> None:
         """Lets go of :meth:`lock_master` without an update (nothing changed)."""
         with self.room.lock:

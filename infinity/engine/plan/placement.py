@@ -222,10 +222,6 @@ def speculation_unsupported(config, world: int) -> Optional[str]:
     ``world`` ranks (the updates then wait for ``step()``), or None."""
     if config.offload_optimizer == "none":
         return "offload_optimizer='none' (speculation needs 'host' or 'nvme')"
-    if config.offload_params == "nvme":
-        return "offload_params='nvme' (speculation needs 'none' or 'host')"
-    if getattr(config, "master_dtype", "fp32") == "bf16":
-        return "master_dtype='bf16' (the bf16-master kernel saves no undo state)"
     return None
 
 

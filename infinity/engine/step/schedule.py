@@ -253,7 +253,8 @@ class StepSchedule:
         if not any(written):
             return  # no gradient this step: nothing changes
         p.fence.wait_unit(u)
-        out = p.host_cache.open_for_update(u, all(written)) if p.modes.host_optimizer else None
+        # A speculative update saving the copy's bytes in its pass needs the old copy read (NVMe homes).
+        out = p.host_cache.open_for_update(u, all(written) and undo is None) if p.modes.host_optimizer else None
         try:
             self.updater.run(u, grad, written, out, scale, live=True, hyper=hyper, undo=undo)
         finally:

@@ -41,6 +41,11 @@ scale with fp16) and no gradient overflowed:
   and a replay each step. After a replay the next steps wait for ``step()``
   instead: 1, then 2, 4 and at most ``MAX_BACKOFF`` steps after replays
   in a row; a committed speculation ends the back-off.
+- *Low-bit state.* Low-bit moments and a bf16 master ([Note: a bf16 master
+  in the engine] in update.py) are copied into the undo buffer whole, ahead
+  of the update (``begin``), as their kernels save nothing in their pass.
+  The bf16 master's stochastic rounding is keyed by the step count, which
+  the rollback restores, so a replay rounds as overlap="step" does.
 
 [Note: speculation on several ranks]
 Under data parallelism (stage 0) and ZeRO 1-3 each rank speculates on what
@@ -82,8 +87,22 @@ a replay does). A
 commit frees the old extents; a rollback maps the keys back to them (and
 the moments back to "never written" where they were), so the replay's
 check-out reads the state of before, bytes and checksums as written then.
-Parameters on NVMe (``offload_params="nvme"``) are not covered yet: their
-compute copies are written back from the host cache on eviction, in place.
+
+[Note: speculation with NVMe parameters]
+With ``offload_params="nvme"`` the compute copy's home is an NVMe extent,
+cached in the host and written back in place when evicted, so a speculated
+copy may reach the disk before ``step()`` decides. The undo buffer holds
+the old copy's bytes all the same: a speculative update opens the copy with
+its old bytes read (``open_for_update(whole=False)``) when the kernel saves
+them in its pass, and ``save`` reads it through the cache
+(``HostCache.copy_home``) when they are copied ahead, so the update then
+finds it cached. A rollback writes the old bytes back through the cache
+(dirty: written back on eviction) for a skipped step; a replay rewrites
+every element the speculation wrote. Where the fp32 master is the compute
+copy ([Note: fp32 master aliasing] in plan/placement.py: NVMe homes for
+both, fp32, no ZeRO) the master is not in the optimizer state's
+copy-on-write extents: its old bytes are the undo buffer's compute part,
+and a rollback always restores them, replay or skip.
 
 The hyper-parameters are those of the step's first early update ([Note:
 hyper-parameters of early updates] in schedule.py), for the replay too.
@@ -193,7 +212,7 @@ class Speculation:
         sn, tn, md = u.place.state_numel, u.place.trainable_numel, p.modes.moment_dtype
         state, at = {}, 0
         for kind in () if cow else state_kinds(md):  # each starts on 4 bytes: sn is a multiple of 32
-            dt = kind_dtype(kind, md)
+            dt = kind_dtype(kind, md, p.modes.master_dtype)
             n = nbytes(kind_numel(kind, sn), dt)
             state[kind], at = raw[at:at + n].view(dt), at + n
         # See [Note: speculation on several ranks]: the part of the compute copy this rank's update writes.
@@ -208,7 +227,7 @@ class Speculation:
         d, o = self._undo[u.index], u.opt
         for kind, t in d.state.items():
             t.copy_(getattr(o, kind))
-        d.compute.copy_(self.p.host_cache.home(u)[d.lo:d.lo + d.compute.numel()])
+        self.p.host_cache.copy_home(u, d.compute, d.lo)
         d.steps = [s.step for s in u.layout.trainable_slots]
         d.fresh = u.opt.fresh
 
@@ -219,9 +238,9 @@ class Speculation:
         d = self._undo[u.index]
         if d.steps is not None:
             return None
-        if d.cow or self.p.modes.moment_dtype != "fp32":
+        if d.cow or self.p.modes.moment_dtype != "fp32" or self.p.modes.master_dtype != "fp32":
             # NVMe state stays on disk: the compute copy is copied whole; the kernel saves fp32 state
-            # only: low-bit moments and their scales are copied whole.
+            # only: low-bit moments and their scales, and a bf16 master, are copied whole.
             self.save(u)
             return None
         d.runs = []
@@ -300,7 +319,8 @@ class Speculation:
             p.fence.wait_unit(u)
             if d.cow:  # the swap keys map to the state of before again
                 p.optstate.settle_copy(u, keep=False, fresh=d.fresh)
-            _restore(u, d, p.host_cache, compute)
+            # An aliased master is the compute copy: See [Note: speculation with NVMe parameters].
+            _restore(u, d, p.host_cache, compute or u.place.aliased)
             p.values_changed(u)
         self._release()
         p.residency.invalidate()  # no device copy keeps a speculated value
@@ -333,6 +353,10 @@ def _restore(u, d: _Undo, host_cache, compute: bool) -> None:
                 getattr(o, kind)[a:b].copy_(d.state[kind][a:b])
     if compute and any(c for _, c in runs):
         comp = host_cache.open_for_update(u)
+        if comp is None:  # [Note: fp32 master aliasing]: the cached compute copy is the master
+            comp, read = host_cache.lock_master(u)
+            if read is not None:
+                read.wait()
         try:
             for _, c in runs:
                 for a, b in c or ():

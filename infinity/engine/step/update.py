@@ -20,8 +20,8 @@ run's seed (``Config.seed``, a checkpoint's on resume): exactly what
 bytes do not depend on the unit layout, ZeRO shards, state chunks or homes.
 The compute copy is then the master's bits, copied out. The kernel takes
 no checksums (the swap store sums the buffers it writes, as for low-bit
-moments) and saves no undo state, so updates are not speculative
-(``speculation_unsupported``). The master aliasing of NVMe homes stays fp32-only.
+moments) and saves no undo state in its pass: a speculative update copies
+the state ahead instead ([Note: speculative updates] in speculate.py). The master aliasing of NVMe homes stays fp32-only.
 """
 
 from __future__ import annotations
