@@ -3,6 +3,9 @@ step-time model (infinity/engine/plan/profile.py), measured in well under a
 minute. Each figure is measured the way the engine uses the hardware:
 
 - GEMM rate per dtype at a few square sizes (torch.mm on the run's device);
+- the rates of the kernels a model runs (kernel_probe.py): matrix products
+  on a grid of shapes, attention forward and backward, and the
+  compute-bound elementwise ops per element;
 - device memory bandwidth of an elementwise op (bytes read + written / s);
 - the fixed cost of one op: a tiny model's forward and backward, whose ops
   cost next to nothing, timed and divided by its op count (costs.py counts
@@ -36,6 +39,7 @@ from ..engine.plan.costs import count_pass
 from ..engine.plan.profile import Profile
 from ..optim import adamw_step_
 from .engine_probe import engine_overhead
+from .kernel_probe import attention_rates, elementwise_rates, gemm_grid
 from .net_probe import net_rates
 from .perf import disk_bandwidth
 
@@ -215,13 +219,16 @@ def compute_speeds(device: torch.device, dtype: str, sizes=GEMM_SIZES) -> Dict[s
     """The compute side of a profile, alone (a few seconds): ``gemm_flops``
     ({dtype: [[n, FLOP/s]]}, fp32's too), ``mem_bw`` (bytes/s) and
     ``op_overhead_s`` (s), ``param_overhead_s`` and ``engine_op_overhead_s``
-    ({"forward", "backward"}: s), as :func:`measure_profile` measures them."""
+    ({"forward", "backward"}: s), and the kernels' rates in ``dtype``
+    (``gemm_shapes``, ``attention_flops``, ``op_rates``: {dtype: ...}), as
+    :func:`measure_profile` measures them."""
     dt = _DTYPES[dtype]
     gemm = {dtype: gemm_rates(device, dt, sizes)}
     if dtype != "fp32":
         gemm["fp32"] = gemm_rates(device, torch.float32, sizes)
     return {"gemm_flops": gemm, "mem_bw": memory_bandwidth(device), "op_overhead_s": op_overhead(device, dt),
-            **engine_overhead(device, dtype)}
+            **engine_overhead(device, dtype), "gemm_shapes": {dtype: gemm_grid(device, dt)},
+            "attention_flops": {dtype: attention_rates(device, dt)}, "op_rates": {dtype: elementwise_rates(device, dt)}}
 
 
 def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], threads: Optional[int] = None,
@@ -238,7 +245,8 @@ def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], thr
         source=f"infinity doctor --profile, {time.strftime('%Y-%m-%d %H:%M:%S')}; swap paths {swap_paths}",
         device=device.type, gemm_flops=comp["gemm_flops"], mem_bw=comp["mem_bw"],
         op_overhead_s=comp["op_overhead_s"], param_overhead_s=comp["param_overhead_s"],
-        engine_op_overhead_s=comp["engine_op_overhead_s"],
+        engine_op_overhead_s=comp["engine_op_overhead_s"], gemm_shapes=comp["gemm_shapes"],
+        attention_flops=comp["attention_flops"], op_rates=comp["op_rates"],
         h2d_bw=copies["h2d"], d2h_bw=copies["d2h"],
         adamw_params_per_s=adamw_rates(threads), disk_read_bw=read, disk_write_bw=write,
         net_bw=net_bw, net_latency_s=net_lat,
