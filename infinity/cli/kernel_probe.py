@@ -2,7 +2,7 @@
 ([Note: an op's time] in engine/plan/costs.py): matrix products on a grid of
 shapes, attention forward and backward at a few sequence lengths, and the
 compute-bound elementwise ops per element. Each is timed as the mean over a
-short window (profile_measure._timed), in the run's dtype on its device;
+short window (profile_measure.timed), in the run's dtype on its device;
 together about 3-4 s on this 2-core CPU.
 """
 
@@ -25,8 +25,8 @@ WINDOW = 0.05  # s a figure: short, so the whole grid stays within the profile's
 
 
 def _timer() -> Callable:
-    from .profile_measure import _timed  # the profile's timer (imported late: profile_measure imports this)
-    return _timed
+    from .profile_measure import timed  # the profile's timer (imported late: profile_measure imports this)
+    return timed
 
 
 def gemm_grid(device: torch.device, dtype: torch.dtype, sizes=None) -> List[List[float]]:
