@@ -3,6 +3,9 @@ step-time model (infinity/engine/plan/profile.py), measured in well under a
 minute. Each figure is measured the way the engine uses the hardware:
 
 - GEMM rate per dtype at a few square sizes (torch.mm on the run's device);
+- the rates of the kernels a model runs (kernel_probe.py): matrix products
+  on a grid of shapes, attention forward and backward, and the
+  compute-bound elementwise ops per element;
 - device memory bandwidth of an elementwise op (bytes read + written / s);
 - the fixed cost of one op: a tiny model's forward and backward, whose ops
   cost next to nothing, timed and divided by its op count (costs.py counts
@@ -36,10 +39,11 @@ from ..engine.plan.costs import count_pass
 from ..engine.plan.profile import Profile
 from ..optim import adamw_step_
 from .engine_probe import engine_overhead
+from .kernel_probe import attention_rates, elementwise_rates, gemm_grid
 from .net_probe import net_rates
 from .perf import disk_bandwidth
 
-__all__ = ["measure_profile", "compute_speeds"]
+__all__ = ["measure_profile", "compute_speeds", "timed"]
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -50,7 +54,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], None], device: torch.device, reps: int, window: float = 0.25) -> float:
+def timed(fn: Callable[[], None], device: torch.device, reps: int, window: float = 0.25) -> float:
     """Mean seconds of ``fn`` over at least ``reps`` runs and ``window`` seconds, after one warm-up.
 
     The mean over a window, not the median of short runs: on a machine shared
@@ -72,7 +76,7 @@ def gemm_rates(device: torch.device, dtype: torch.dtype, sizes=GEMM_SIZES) -> Li
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        t = _timed(lambda: torch.mm(a, b), device, 3 if n >= 1024 else 7, window=0.4)
+        t = timed(lambda: torch.mm(a, b), device, 3 if n >= 1024 else 7, window=0.4)
         out.append([n, 2.0 * n ** 3 / t])
         if t > 0.3:
             break
@@ -83,7 +87,7 @@ def memory_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:
     """Bytes/s of ``c = a + b`` over fp32 tensors (two read, one written)."""
     a = torch.randn(nbytes // 4, device=device)
     b, c = torch.randn_like(a), torch.empty_like(a)
-    return 3 * nbytes / _timed(lambda: torch.add(a, b, out=c), device, 5)
+    return 3 * nbytes / timed(lambda: torch.add(a, b, out=c), device, 5)
 
 
 class _Tiny(nn.Module):
@@ -108,7 +112,7 @@ def op_overhead(device: torch.device, dtype: torch.dtype) -> float:
 
     def step():
         model(x).backward()
-    return _timed(step, device, 20, window=1.5) / ops
+    return timed(step, device, 20, window=1.5) / ops
 
 
 def copy_rates(device: torch.device, nbytes: int = 64 << 20) -> Dict[str, float]:
@@ -116,10 +120,10 @@ def copy_rates(device: torch.device, nbytes: int = 64 << 20) -> Dict[str, float]
     if device.type == "cuda":
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return {"h2d": nbytes / _timed(lambda: dev.copy_(host, non_blocking=True), device, 5),
-                "d2h": nbytes / _timed(lambda: host.copy_(dev, non_blocking=True), device, 5)}
+        return {"h2d": nbytes / timed(lambda: dev.copy_(host, non_blocking=True), device, 5),
+                "d2h": nbytes / timed(lambda: host.copy_(dev, non_blocking=True), device, 5)}
     src, dst = torch.empty(nbytes, dtype=torch.uint8).fill_(1), torch.empty(nbytes, dtype=torch.uint8)
-    rate = nbytes / _on_thread(lambda: _timed(lambda: dst.copy_(src), device, 5))
+    rate = nbytes / _on_thread(lambda: timed(lambda: dst.copy_(src), device, 5))
     return {"h2d": rate, "d2h": rate}
 
 
@@ -147,7 +151,7 @@ def adamw_rates(threads: Optional[int], n: int = 1 << 22) -> Dict[str, float]:
         def step():
             adamw_step_([p], [g], [m], [v], step=1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                         outs=[out], num_threads=threads, validate=False)
-        rates[name] = n / _timed(step, torch.device("cpu"), 5)
+        rates[name] = n / timed(step, torch.device("cpu"), 5)
     return rates
 
 
@@ -215,13 +219,16 @@ def compute_speeds(device: torch.device, dtype: str, sizes=GEMM_SIZES) -> Dict[s
     """The compute side of a profile, alone (a few seconds): ``gemm_flops``
     ({dtype: [[n, FLOP/s]]}, fp32's too), ``mem_bw`` (bytes/s) and
     ``op_overhead_s`` (s), ``param_overhead_s`` and ``engine_op_overhead_s``
-    ({"forward", "backward"}: s), as :func:`measure_profile` measures them."""
+    ({"forward", "backward"}: s), and the kernels' rates in ``dtype``
+    (``gemm_shapes``, ``attention_flops``, ``op_rates``: {dtype: ...}), as
+    :func:`measure_profile` measures them."""
     dt = _DTYPES[dtype]
     gemm = {dtype: gemm_rates(device, dt, sizes)}
     if dtype != "fp32":
         gemm["fp32"] = gemm_rates(device, torch.float32, sizes)
     return {"gemm_flops": gemm, "mem_bw": memory_bandwidth(device), "op_overhead_s": op_overhead(device, dt),
-            **engine_overhead(device, dtype)}
+            **engine_overhead(device, dtype), "gemm_shapes": {dtype: gemm_grid(device, dt)},
+            "attention_flops": {dtype: attention_rates(device, dt)}, "op_rates": {dtype: elementwise_rates(device, dt)}}
 
 
 def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], threads: Optional[int] = None,
@@ -238,7 +245,8 @@ def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], thr
         source=f"infinity doctor --profile, {time.strftime('%Y-%m-%d %H:%M:%S')}; swap paths {swap_paths}",
         device=device.type, gemm_flops=comp["gemm_flops"], mem_bw=comp["mem_bw"],
         op_overhead_s=comp["op_overhead_s"], param_overhead_s=comp["param_overhead_s"],
-        engine_op_overhead_s=comp["engine_op_overhead_s"],
+        engine_op_overhead_s=comp["engine_op_overhead_s"], gemm_shapes=comp["gemm_shapes"],
+        attention_flops=comp["attention_flops"], op_rates=comp["op_rates"],
         h2d_bw=copies["h2d"], d2h_bw=copies["d2h"],
         adamw_params_per_s=adamw_rates(threads), disk_read_bw=read, disk_write_bw=write,
         net_bw=net_bw, net_latency_s=net_lat,

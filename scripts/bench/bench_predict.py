@@ -179,7 +179,8 @@ def predict_row(i: int, profile):
 
 def same_time_profile(profile, probes: list):
     """``profile`` with its compute figures (GEMM rates, memory bandwidth,
-    per-op cost, the engine's time per parameter tensor and op) replaced by the medians of the probes the run measured
+    per-op cost, the engine's time per parameter tensor and op, the kernels'
+    rates) replaced by the medians of the probes the run measured
     between its steps: on a shared machine the speed drifts by 2x within a
     minute, so the speed the step is compared with is the one measured with it."""
     med = statistics.median
@@ -189,8 +190,16 @@ def same_time_profile(profile, probes: list):
         gemm[dt] = [[n, med([r for p in probes for m, r in p["gemm_flops"][dt] if m == n])] for n in sizes]
     engine = {k: {ph: med([p[k][ph] for p in probes]) for ph in ("forward", "backward")}
               for k in ("param_overhead_s", "engine_op_overhead_s")}
+    dt = next(iter(probes[0]["gemm_shapes"]))
+    kernels = {  # the kernels' rates: each figure's median over the probes
+        "gemm_shapes": {dt: [p[:3] + [med([q["gemm_shapes"][dt][j][3] for q in probes])]
+                             for j, p in enumerate(probes[0]["gemm_shapes"][dt])]},
+        "attention_flops": {dt: {ph: [[n, med([q["attention_flops"][dt][ph][j][1] for q in probes])]
+                                      for j, (n, _) in enumerate(pts)]
+                                 for ph, pts in probes[0]["attention_flops"][dt].items()}},
+        "op_rates": {dt: {op: med([q["op_rates"][dt][op] for q in probes]) for op in probes[0]["op_rates"][dt]}}}
     return dataclasses.replace(profile, gemm_flops=gemm, mem_bw=med([p["mem_bw"] for p in probes]),
-                               op_overhead_s=med([p["op_overhead_s"] for p in probes]), **engine)
+                               op_overhead_s=med([p["op_overhead_s"] for p in probes]), **engine, **kernels)
 
 
 def phases(pr, got: dict) -> str:

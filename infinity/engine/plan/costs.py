@@ -4,10 +4,25 @@ registry: matrix products, convolutions, attention) and the bytes it reads
 and writes. Nothing is computed and no memory is touched.
 
 [Note: an op's time]
-The time model (step_time.py) prices an op as a roofline plus a fixed cost:
-``max(flops / GEMM rate at its size, bytes / memory bandwidth) + per-op
-overhead``, each figure from the hardware profile (profile.py). Views cost
-nothing. The ops are attributed to the unit whose forward (or backward) is
+The time model (step_time.py, ``op_seconds``) prices an op as a roofline plus
+a fixed cost: ``max(work / its rate, bytes / memory bandwidth) + per-op
+overhead``, each figure from the hardware profile (profile.py), where the
+rate is the one of the kernel that runs, as the profile measured it:
+
+- a matrix product (mm, addmm, bmm, baddbmm) at its own shape ``(m, n, k)``
+  (the profile's grid of shapes, interpolated; a square-size rate where the
+  profile has no grid): products at a model's shapes run at other rates than
+  a square product of the same FLOPs;
+- attention (``F.scaled_dot_product_attention``) as one op forward and one
+  backward, at the rate of the fused kernel the device runs: the meta device
+  falls back to the math decomposition (matmuls and a softmax), which the
+  CPU's flash kernel is 4-8x slower than at a small model's shapes. The
+  count records the call itself ([Note: attention counted as the call]);
+- an op the profile has a per-element rate for (GELU, SiLU, softmax, layer
+  norm and their backwards: transcendental, compute-bound on a CPU) at
+  ``elements / rate``, the elements of its first result.
+
+Views cost nothing. The ops are attributed to the unit whose forward (or backward) is
 running: module hooks mark where a unit's forward starts and ends, and full
 backward hooks where its backward does, so a checkpointed unit's
 recomputation counts in its backward, where it runs.
@@ -19,13 +34,14 @@ import contextlib
 import copy
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from .attention import FUSED_ATTENTION, AttentionAsCall, attention_cost
 from .metacache import SHARED, MetaCache
 from .repeats import KEEP, Run, cut, find_run
 
@@ -38,10 +54,17 @@ ROOT_TAIL = -1
 
 @dataclass(frozen=True)
 class OpCost:
-    """One op: ``flops`` (0 unless a matrix product, convolution or attention) and ``nbytes`` read + written."""
+    """One op: ``flops`` (0 unless a matrix product, convolution or attention),
+    ``nbytes`` read + written, ``name`` (the aten op's name, ``"attention"``
+    or ``"attention_backward"``), ``shape`` (a product's ``(m, n, k)``;
+    attention's ``(query length,)``) and ``numel`` (elements of its first
+    result). See [Note: an op's time]."""
 
     flops: int
     nbytes: int
+    name: str = ""
+    shape: Tuple[int, ...] = ()
+    numel: int = 0
 
 
 @dataclass
@@ -71,30 +94,58 @@ class _Counter(MetaCache):
         super().__init__(cache)
         self.costs, self.unit, self.phase = costs, 0, "forward"
         self.op_costs: Dict[object, Optional[OpCost]] = {}
+        self.mute = 0
+
+    @contextlib.contextmanager
+    def muted(self):
+        """Ops run meanwhile are not recorded (an attention call's math path)."""
+        self.mute += 1
+        try:
+            yield
+        finally:
+            self.mute -= 1
+
+    def record(self, cost: OpCost) -> None:
+        getattr(self.costs, self.phase).setdefault(self.unit, []).append(cost)
 
     def seen(self, func, args, kwargs, out, key) -> None:
+        if self.mute:
+            return
         cost = self.op_costs.get(key, _MISSING) if key is not None else _MISSING
         if cost is _MISSING:
             cost = _op_cost(func, args, kwargs, out)
             if key is not None:
                 self.op_costs[key] = cost
         if cost is not None:
-            getattr(self.costs, self.phase).setdefault(self.unit, []).append(cost)
+            self.record(cost)
 
 
 _MISSING = object()
 
 
+# The matrix products priced at their shape, and the position of their left operand.
+_PRODUCTS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}
+
+
 def _op_cost(func, args, kwargs, out) -> Optional[OpCost]:
-    """The op's FLOPs and bytes moved; None for views and ops costing nothing."""
+    """The op's cost ([Note: an op's time]); None for views and ops costing nothing."""
     if not func._schema.name.startswith("aten::") or func.is_view:
         return None
+    name = func._schema.name[len("aten::"):]
+    if name in FUSED_ATTENTION:
+        return attention_cost(args[:3] if "backward" not in name else args[1:4], out, "backward" in name)
     fl = 0
     f = flop_registry.get(func._overloadpacket)
     if f is not None:
         fl = int(f(*args, **kwargs, out_val=out))
-    nb = sum(_nbytes(a) for a in tree_flatten((args, kwargs))[0]) + sum(_nbytes(o) for o in tree_flatten(out)[0])
-    return OpCost(fl, nb) if fl or nb else None
+    outs = tree_flatten(out)[0]
+    nb = sum(_nbytes(a) for a in tree_flatten((args, kwargs))[0]) + sum(_nbytes(o) for o in outs)
+    shape: Tuple[int, ...] = ()
+    if name in _PRODUCTS:
+        a, b = args[_PRODUCTS[name]], args[_PRODUCTS[name] + 1]
+        shape = (int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1]))
+    first = next((o for o in outs if isinstance(o, torch.Tensor)), None)
+    return OpCost(fl, nb, name, shape, first.numel() if first is not None else 0) if fl or nb else None
 
 
 def count_pass(model: nn.Module, run: Callable[[nn.Module], torch.Tensor], unit_modules: Dict[int, List[nn.Module]],
@@ -136,7 +187,7 @@ def _count(model, run, unit_modules, dtype, rep: Optional[Run], keep: int) -> Pa
                         mc.register_full_backward_pre_hook(lambda *_a, ui=ui: setattr(counter, "unit", ui)),
                         mc.register_full_backward_hook(lambda *_a: setattr(counter, "unit", ROOT_TAIL))]
     try:
-        with counter:
+        with counter, AttentionAsCall(counter):
             loss = run(m)
             counter.phase, counter.unit = "backward", 0
             loss.backward()

@@ -10,11 +10,12 @@ resources] in simulate.py), keyed ``"a<b"``: while ``b`` is busy a task on
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Profile", "load_profile", "shipped_profiles", "RESOURCES"]
 
@@ -49,6 +50,15 @@ class Profile:
     net_bw: Dict[str, float] = field(default_factory=dict)
     net_latency_s: Dict[str, float] = field(default_factory=dict)
     slow: Dict[str, float] = field(default_factory=dict)
+    # Rates of the kernels that run ([Note: an op's time] in costs.py), per compute dtype; empty: not measured
+    # (products then take gemm_flops' square rates, attention its FLOPs at those, every other op the roofline).
+    # Matrix products on a grid of shapes: [[m, n, k, FLOP/s], ...], every (m, n, k) of the sizes given per axis.
+    gemm_shapes: Dict[str, List[List[float]]] = field(default_factory=dict)
+    # Attention (F.scaled_dot_product_attention, causal, as the device runs it): {"forward" | "backward":
+    # [[sequence length, FLOP/s], ...]}, the FLOPs torch's counter gives.
+    attention_flops: Dict[str, Dict[str, List[List[float]]]] = field(default_factory=dict)
+    # Compute-bound elementwise ops: {aten op name: elements of its first result / s}.
+    op_rates: Dict[str, Dict[str, float]] = field(default_factory=dict)
     extra: Dict[str, object] = field(default_factory=dict)  # measured figures kept for the record
 
     def __post_init__(self) -> None:
@@ -65,6 +75,8 @@ class Profile:
             if set(getattr(self, k)) - {"forward", "backward"}:
                 raise ValueError(f"profile {self.name!r}: {k} takes the keys 'forward' and 'backward', "
                                  f"not {sorted(set(getattr(self, k)) - {'forward', 'backward'})}")
+        for dt, grid in self.gemm_shapes.items():
+            _check_grid(self.name, dt, grid)
         if not self.gemm_flops:
             raise ValueError(f"profile {self.name!r}: gemm_flops is empty; give [[size, FLOP/s], ...] per dtype")
         for key in self.slow:
@@ -72,19 +84,31 @@ class Profile:
             if a not in RESOURCES or b not in RESOURCES:
                 raise ValueError(f"profile {self.name!r}: slow[{key!r}] must be 'a<b' with a, b in {RESOURCES}")
 
-    def gemm_rate(self, dtype: str, flops: float) -> float:
+    def gemm_rate(self, dtype: str, flops: float, shape: Optional[Sequence[int]] = None) -> float:
         """FLOP/s of a matrix product of ``flops`` in ``dtype`` ("bf16", "fp16",
-        "fp32"): log-linear between the measured sizes, clamped at the ends;
-        a dtype not measured takes fp32's, else the first given."""
-        pts = sorted(self.gemm_flops.get(dtype) or self.gemm_flops.get("fp32") or next(iter(self.gemm_flops.values())))
+        "fp32"). With its ``shape`` (m, n, k) and a grid measured for the
+        dtype (``gemm_shapes``): interpolated on the grid, log-linear in each
+        size, clamped at its edges. Else by the square sizes: log-linear
+        between them, clamped at the ends; a dtype not measured takes fp32's,
+        else the first given."""
+        grid = self.gemm_shapes.get(dtype)
+        if shape is not None and len(shape) == 3 and grid:
+            return _grid_rate(grid, shape)
+        pts = self.gemm_flops.get(dtype) or self.gemm_flops.get("fp32") or next(iter(self.gemm_flops.values()))
         n = (max(flops, 1.0) / 2) ** (1 / 3)  # the side of the square GEMM of the same work
-        if n <= pts[0][0]:
-            return pts[0][1]
-        for (n0, r0), (n1, r1) in zip(pts, pts[1:]):
-            if n <= n1:
-                w = math.log(n / n0) / math.log(n1 / n0)
-                return r0 + w * (r1 - r0)
-        return pts[-1][1]
+        return _interp(sorted(pts), n)
+
+    def attention_rate(self, dtype: str, backward: bool, length: int) -> Optional[float]:
+        """FLOP/s of attention at sequence ``length`` (its backward when
+        ``backward``), log-linear between the measured lengths and clamped;
+        None when the profile has none for ``dtype``."""
+        pts = self.attention_flops.get(dtype, {}).get("backward" if backward else "forward")
+        return _interp(sorted(pts), length) if pts else None
+
+    def op_rate(self, dtype: str, name: str) -> Optional[float]:
+        """Elements/s of the elementwise aten op ``name`` in ``dtype``; None when not measured."""
+        r = self.op_rates.get(dtype, {}).get(name)
+        return float(r) if r else None
 
     def net(self, link: str) -> Tuple[float, float]:
         """``(bytes/s, latency s)`` of ZeRO's ``link`` ("net_device" or "net_host")."""
@@ -108,6 +132,47 @@ class Profile:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
+
+
+def _interp(pts: List[List[float]], x: float) -> float:
+    """The rate at ``x`` of sorted ``[[x, rate], ...]``: log-linear between points, clamped at the ends."""
+    if x <= pts[0][0]:
+        return float(pts[0][1])
+    for (x0, r0), (x1, r1) in zip(pts, pts[1:]):
+        if x <= x1:
+            w = math.log(x / x0) / math.log(x1 / x0)
+            return r0 + w * (r1 - r0)
+    return float(pts[-1][1])
+
+
+def _axis(sizes: List[float], x: float) -> List[Tuple[float, float]]:
+    """``[(size, weight), ...]`` of ``x`` between its two bracketing ``sizes`` (log-linear, clamped)."""
+    if x <= sizes[0]:
+        return [(sizes[0], 1.0)]
+    for s0, s1 in zip(sizes, sizes[1:]):
+        if x <= s1:
+            w = math.log(x / s0) / math.log(s1 / s0)
+            return [(s0, 1.0 - w), (s1, w)]
+    return [(sizes[-1], 1.0)]
+
+
+def _grid_rate(grid: List[List[float]], shape: Sequence[int]) -> float:
+    """The rate at ``shape`` (m, n, k) of a full grid ``[[m, n, k, rate], ...]``, multilinear in log sizes."""
+    table = {tuple(p[:3]): p[3] for p in grid}
+    axes = [sorted({p[i] for p in grid}) for i in range(3)]
+    rate = 0.0
+    for (m, wm), (n, wn), (k, wk) in itertools.product(*(_axis(a, max(float(x), 1.0)) for a, x in zip(axes, shape))):
+        rate += wm * wn * wk * table[(m, n, k)]
+    return rate
+
+
+def _check_grid(name: str, dtype: str, grid: List[List[float]]) -> None:
+    if not all(len(p) == 4 and all(isinstance(v, (int, float)) and v > 0 for v in p) for p in grid):
+        raise ValueError(f"profile {name!r}: gemm_shapes[{dtype!r}] takes [[m, n, k, FLOP/s], ...], all positive")
+    axes = [{p[i] for p in grid} for i in range(3)]
+    if len({tuple(p[:3]) for p in grid}) != len(axes[0]) * len(axes[1]) * len(axes[2]):
+        raise ValueError(f"profile {name!r}: gemm_shapes[{dtype!r}] must hold every (m, n, k) of its sizes once "
+                         f"(m in {sorted(axes[0])}, n in {sorted(axes[1])}, k in {sorted(axes[2])})")
 
 
 def load_profile(path: str) -> Profile:

@@ -63,14 +63,14 @@ import torch
 import torch.nn as nn
 
 from .collectives import LINK, NET_LINKS, grad_reduction, wire_bytes
-from .costs import ROOT_TAIL, PassCosts, count_pass
+from .costs import ROOT_TAIL, OpCost, PassCosts, count_pass
 from .limits import MAX_QUEUED
 from .opt_kinds import state_bytes
 from .placement import Modes, device_need, host_need, nbytes, round_pool
 from .profile import Profile
 from .simulate import COMPUTE, Simulation, SimResult
 
-__all__ = ["StepPrediction", "predict_step", "unit_seconds"]
+__all__ = ["StepPrediction", "predict_step", "unit_seconds", "op_seconds"]
 
 _DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -88,12 +88,30 @@ class StepPrediction:
     sim: SimResult
 
 
-def unit_seconds(costs: PassCosts, phase: str, unit: int, profile: Profile, dtype: str) -> float:
-    """Seconds of ``unit``'s ops in ``phase`` on the profiled device ([Note: an op's time] in costs.py)."""
+def op_seconds(o: OpCost, profile: Profile, dtype: str) -> float:
+    """Seconds of op ``o`` in ``dtype`` on the profiled device ([Note: an op's time] in costs.py)."""
+    if o.name in ("attention", "attention_backward"):
+        rate = profile.attention_rate(dtype, o.name == "attention_backward", o.shape[1])
+        work = o.flops / (rate or profile.gemm_rate(dtype, o.flops))
+    elif o.flops:
+        work = o.flops / profile.gemm_rate(dtype, o.flops, o.shape or None)
+    else:
+        rate = profile.op_rate(dtype, o.name)
+        work = o.numel / rate if rate else 0.0
+    return max(work, o.nbytes / profile.mem_bw) + profile.op_overhead_s
+
+
+def unit_seconds(costs: PassCosts, phase: str, unit: int, profile: Profile, dtype: str,
+                 prices: Optional[Dict[OpCost, float]] = None) -> float:
+    """Seconds of ``unit``'s ops in ``phase`` on the profiled device; ``prices``:
+    a memo of op -> seconds for this profile and dtype (a model repeats its ops)."""
+    prices = {} if prices is None else prices
     t = 0.0
     for o in getattr(costs, phase).get(unit, []):
-        t += max(o.flops / profile.gemm_rate(dtype, o.flops) if o.flops else 0.0, o.nbytes / profile.mem_bw)
-        t += profile.op_overhead_s
+        s = prices.get(o)
+        if s is None:
+            s = prices[o] = op_seconds(o, profile, dtype)
+        t += s
     return t
 
 
@@ -150,6 +168,7 @@ class _Builder:
         self.tensors = tensors  # per unit: (parameter tensors, trainable ones)
         self.sim = Simulation(profile.slow_pairs())
         self.dt = _DTYPE_NAME[modes.dtype]
+        self.prices: Dict[OpCost, float] = {}  # op -> seconds on this profile
         self.moved = {"h2d": 0, "d2h": 0, "nvme_read": 0, "nvme_write": 0}
         if modes.world > 1:
             self.moved.update({k: 0 for k in NET_LINKS})
@@ -252,9 +271,9 @@ class _Builder:
             deps = [prev, self.fetch.get(i)]
             if backward and m.opt_nvme and self.overlap == "backward" and self.last_backward:
                 deps += self._queue_bound(i)
-            secs = unit_seconds(self.costs, phase, i, self.prof, self.dt) + self._engine_seconds(i, backward)
+            secs = unit_seconds(self.costs, phase, i, self.prof, self.dt, self.prices) + self._engine_seconds(i, backward)
             if backward and i == 0:
-                secs += unit_seconds(self.costs, "backward", ROOT_TAIL, self.prof, self.dt)
+                secs += unit_seconds(self.costs, "backward", ROOT_TAIL, self.prof, self.dt, self.prices)
             prev = self.sim.add(f"{phase} {i}", "compute", secs, COMPUTE, deps)
             if backward and m.host_optimizer and p[i].trainable:
                 self.grad_out[i] = self._grads_out(i, prev)
