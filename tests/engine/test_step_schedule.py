@@ -68,12 +68,13 @@ class Updater:
 
 class Residency:
     """Stands in for the residency owner: the schedules (overlap "step" and
-    "backward", host optimizer) call only ``invalidate()`` after a step."""
+    "backward", host optimizer) call only ``invalidate(done)`` after a step
+    (``done``: the units the copies' gathers refreshed already)."""
 
     def __init__(self):
         self.invalidations = 0
 
-    def invalidate(self):
+    def invalidate(self, done=frozenset()):
         self.invalidations += 1
 
 
