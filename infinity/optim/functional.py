@@ -173,7 +173,7 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
             crcs=)``. Needs the native library.
         saves: ``(params, exp_avgs, exp_avg_sqs, outs)`` buffers, one per
             tensor each, the same sizes (fp32; ``outs``' of ``outs``' dtype,
-            None without ``outs``), that receive the old contents of those
+            None without ``outs`` or where their old bytes are not wanted), that receive the old contents of those
             buffers before the step writes them: a speculative update's undo
             state. Natively saved in the step's own pass ([Note: the undo
             state saved in the step's pass] in native/src/adam.cpp); the new
@@ -254,9 +254,9 @@ def _check_saves(saves, params, outs, sum_chunk_bytes) -> None:
     outs) matching their buffers' sizes and dtypes."""
     if sum_chunk_bytes is not None:
         raise ValueError("adamw_step_: saves and sum_chunk_bytes cannot be combined")
-    if len(saves) != 4 or (saves[3] is None) != (outs is None):
+    if len(saves) != 4 or any(saves[k] is None for k in range(3)) or (saves[3] is not None and outs is None):
         raise ValueError("adamw_step_(saves=...) takes (params, exp_avgs, exp_avg_sqs, outs), outs None "
-                         "exactly when outs is None")
+                         "without outs (or where their old bytes are not kept)")
     for k, what in enumerate(("params", "exp_avgs", "exp_avg_sqs", "outs")):
         if saves[k] is None:
             continue
@@ -335,7 +335,8 @@ def _native_step(params, grads, exp_avgs, exp_avg_sqs, outs, gdtype, odtype, lr,
     sums = None
     if saves is not None:
         save_arr = native.carray(ctypes.c_int64, 4 * n)(*[t.data_ptr() for ts in saves[:3] for t in ts],
-                                                        *([t.data_ptr() for t in saves[3]] if outs is not None else [0] * n))
+                                                        *([t.data_ptr() for t in saves[3]] if saves[3] is not None
+                                                          else [0] * n))
         rc = native.lib().inf_adam_step_save(native.selected_isa(), n, ptr_arr, numel_arr, _GRAD_DT[gdtype], odt,
                                              ctypes.byref(hp), save_arr)
     elif sum_chunk_bytes is None:

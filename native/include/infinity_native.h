@@ -93,8 +93,8 @@ INF_API int32_t inf_adam_step_sums(int32_t isa, int64_t n_tensors, const int64_t
 /* inf_adam_step that first saves the bytes it overwrites ([Note: the undo
  * state saved in the step's pass] in adam.cpp): saves holds 4*n_tensors
  * addresses, as four arrays: params[n], exp_avg[n], exp_avg_sq[n] (fp32,
- * numels[i] each) and outs[n] (out_dtype; ignored with NONE), which receive
- * the old contents of the matching buffers. The new values are those of
+ * numels[i] each) and outs[n] (out_dtype; ignored with NONE; 0: not
+ * kept), which receive the old contents of the matching buffers. The new values are those of
  * inf_adam_step, bit for bit. Save buffers must not overlap any other. */
 INF_API int32_t inf_adam_step_save(int32_t isa, int64_t n_tensors, const int64_t* ptrs,
                                    const int64_t* numels, int32_t grad_dtype, int32_t out_dtype,

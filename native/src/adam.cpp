@@ -92,7 +92,9 @@ int dt_size(int32_t dt) {
 // of its range to the save buffers just before the kernel steps that tile:
 // the kernel then reads it from cache, so what the save adds is only its
 // writes, streamed (non-temporal: no read for ownership, and the undo state
-// is read again only by a rollback). The kernel is the unchanged per-element
+// is read again only by a rollback). The compute copy's old bytes are
+// saved only where the caller asks (a 0 address: not kept): an fp32 copy
+// is the master's bits, so a rollback takes it from the saved master. The kernel is the unchanged per-element
 // kernel over the same elements, so the new values are inf_adam_step's bit
 // for bit on every ISA.
 constexpr int64_t kSaveTile = 4096;  // elements: 16 KiB of each fp32 stream
@@ -133,13 +135,13 @@ void step_saving(const Job& j, int64_t t, int64_t s, int64_t e, float* p, const 
   float* sp = reinterpret_cast<float*>(j.saves[t]) + s;
   float* sm = reinterpret_cast<float*>(j.saves[n + t]) + s;
   float* sv = reinterpret_cast<float*>(j.saves[2 * n + t]) + s;
-  char* so = o ? reinterpret_cast<char*>(j.saves[3 * n + t]) + s * j.osize : nullptr;
+  char* so = o && j.saves[3 * n + t] ? reinterpret_cast<char*>(j.saves[3 * n + t]) + s * j.osize : nullptr;
   for (int64_t i = 0; i < e - s; i += kSaveTile) {
     const int64_t k = std::min(kSaveTile, e - s - i);
     save_bytes(sp + i, p + i, 4 * k);
     save_bytes(sm + i, m + i, 4 * k);
     save_bytes(sv + i, v + i, 4 * k);
-    if (o) save_bytes(so + i * j.osize, o + i * j.osize, k * j.osize);
+    if (so) save_bytes(so + i * j.osize, o + i * j.osize, k * j.osize);
     j.fn(p + i, g + i * j.gsize, m + i, v + i, o ? o + i * j.osize : nullptr, k, j.gdt, j.odt, j.c, false);
   }
 }
@@ -255,7 +257,6 @@ int32_t run(int32_t isa, int64_t n_tensors, const int64_t* ptrs, const int64_t* 
       if (numels[i] == 0) continue;
       for (int k = 0; k < 3; ++k)
         if (saves[k * n_tensors + i] == 0) return INF_E_INVAL;
-      if (odt != INF_DT_NONE && saves[3 * n_tensors + i] == 0) return INF_E_INVAL;
     }
     job.saves = saves;
   }
