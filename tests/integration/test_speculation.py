@@ -4,6 +4,7 @@ runs each update during backward and checks it at step(). Whatever the
 check finds, every loss, every final tensor, every moment and step count
 must be overlap="step"'s, bit for bit."""
 
+import dataclasses
 import threading
 import warnings
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.engine.plan.placement import host_need, undo_bytes
+from infinity.engine.plan.placement import host_need, undo_bytes, undo_keeps_compute
 from engine_utils import batches, unequal_net
 
 STEPS = 8
@@ -122,6 +123,27 @@ def test_fp16_overflow_rolls_back_and_skips():
     s = got[3]["speculation"]
     assert s["skipped"] >= 1 and s["committed"] >= 1, s
     assert all(torch.isfinite(v).all() for v in got[1].values())
+
+
+@pytest.mark.parametrize("params", ["none", "host"])
+def test_fp32_non_finite_norm_restores_the_compute_copy_from_the_master(params):
+    """fp32 compute with host state keeps no compute bytes in the undo state
+    (the copy is the master's bits: ``undo_keeps_compute``); a skipped step
+    (a non-finite norm) restores the copy from the master's saved bytes,
+    and training goes on as overlap="step"'s, bit for bit."""
+    factors = (1.0, 1.0, float("inf"), 1.0, 1.0, 1.0)  # step 2: an infinite loss, a non-finite norm
+    want = run("step", 1.0, factors, steps=6, offload_params=params)
+    got = run("backward", 1.0, factors, steps=6, offload_params=params)
+    assert_same_bits(got, want)
+    assert got[3]["skipped_steps"] == want[3]["skipped_steps"] == 1
+    s = got[3]["speculation"]
+    assert s["skipped"] == 1 and s["committed"] >= 1, s
+    model, _ = make("backward", 1.0, offload_params=params)
+    try:
+        modes = infinity.api.engine_of(model).modes
+        assert not undo_keeps_compute(modes) and undo_keeps_compute(dataclasses.replace(modes, dtype=torch.bfloat16))
+    finally:
+        infinity.close(model)
 
 
 def test_undo_state_without_room_waits_for_step():

@@ -49,7 +49,7 @@ from .limits import (DEVICE_ALIGN, GRAD_STAGING_BLOCK_BYTES, GRAD_STAGING_BLOCKS
                      ZERO_REDUCING_UNITS)  # that must agree]
 
 __all__ = ["Modes", "UnitPlacement", "DeviceNeed", "HostNeed", "place_unit", "device_need", "host_need", "grad_staging",
-           "nvme_capacity", "modes_of", "speculation_needed", "speculation_unsupported", "undo_bytes", "spillable",
+           "nvme_capacity", "modes_of", "speculation_needed", "speculation_unsupported", "undo_bytes", "undo_keeps_compute", "spillable",
            "nbytes", "round_pool", "state_pool_bytes", "host_reduction_reason", "host_gather_reason", "grad_streaming", "streamed_grad_bytes", "device_reduce_bytes", "stage1_full_grads", "POOL_ALIGN",
            "DEVICE_ALIGN", "PIPELINE_BUFFERS",
            "NVME_CACHE_SPARE", "ZERO_REDUCING_UNITS", "ZERO_TRANSIENT_UNITS"]
@@ -449,14 +449,23 @@ def undo_bytes(p: UnitPlacement, modes: Modes) -> int:
     """Host bytes of one unit's undo state for a speculative update: its
     master and moments and the part of its compute copy the update writes
     (the trainable part; under ZeRO the own shard's, as many elements as the
-    state), in one pool buffer. Not in the minimum: a unit without room
+    state; none where :func:`undo_keeps_compute` says so), in one pool buffer. Not in the minimum: a unit without room
     waits for ``step()`` (see [Note: speculative updates] in step/speculate.py).
     NVMe optimizer state: the compute copy's part only (the old state stays
     on disk: ``HostNeed.cow_bytes``)."""
     if modes.opt_nvme:
         return round_pool(nbytes(p.state_numel, modes.dtype))
     return round_pool(state_bytes(p.state_numel, modes.moment_dtype, master_dtype=modes.master_dtype)
-                      + nbytes(p.state_numel, modes.dtype))
+                      + (nbytes(p.state_numel, modes.dtype) if undo_keeps_compute(modes) else 0))
+
+
+def undo_keeps_compute(modes: Modes) -> bool:
+    """Whether a unit's undo state keeps its compute copy's bytes. Not where
+    the copy is the fp32 master's bits (host-resident fp32 state, fp32
+    compute, no ZeRO): a rollback takes them from the master's saved bytes
+    (See [Note: speculative updates] in step/speculate.py)."""
+    return not (modes.host_optimizer and not modes.opt_nvme and not modes.zero and modes.dtype == torch.float32
+                and modes.master_dtype == "fp32")
 
 
 def spillable(modes: Modes) -> bool:

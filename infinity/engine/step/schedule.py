@@ -254,7 +254,8 @@ class StepSchedule:
             return  # no gradient this step: nothing changes
         p.fence.wait_unit(u)
         # A speculative update saving the copy's bytes in its pass needs the old copy read (NVMe homes).
-        out = p.host_cache.open_for_update(u, all(written) and undo is None) if p.modes.host_optimizer else None
+        whole = all(written) and (undo is None or undo.compute is None)
+        out = p.host_cache.open_for_update(u, whole) if p.modes.host_optimizer else None
         try:
             self.updater.run(u, grad, written, out, scale, live=True, hyper=hyper, undo=undo)
         finally:

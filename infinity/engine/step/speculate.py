@@ -11,7 +11,13 @@ scale with fp16) and no gradient overflowed:
 - *Undo state.* The update's own kernel calls save the bytes they
   overwrite into one host-pool buffer of the unit (``undo_bytes`` in
   plan/placement.py, in the host budget's capacity): the fp32 master, both
-  moments and the compute copy, for the ranges each call writes
+  moments and the compute copy, for the ranges each call writes. An fp32
+  compute copy of host-resident fp32 state without ZeRO is the master's
+  bits (the update writes it from the master, ``initialize`` and every
+  write of values fill both from the same values), so it is not kept: a
+  rollback copies the saved master's bytes of the slots the update wrote
+  (``undo_keeps_compute`` in placement.py; 4 of the 16 bytes a parameter
+  the save would write)
   (``adamw_step_(saves=)``: [Note: the undo state saved in the step's pass]
   in native/src/adam.cpp), and the slots' step counts as the update
   begins. The buffer is taken on the autograd thread as the update is
@@ -134,7 +140,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..plan.opt_kinds import kind_dtype, kind_numel, state_kinds
-from ..plan.placement import nbytes, undo_bytes
+from ..plan.placement import nbytes, undo_bytes, undo_keeps_compute
 
 __all__ = ["Speculation", "MAX_BACKOFF"]
 
@@ -152,7 +158,8 @@ class _Undo:
 
     buf: object
     state: Dict[str, torch.Tensor]  # kind -> its copy: master, moments (int8: and scales)
-    compute: torch.Tensor           # the compute copy's elements [lo, lo + numel) the update writes
+    # The compute copy's elements [lo, lo + numel) the update writes; None: the master's bits (undo_keeps_compute).
+    compute: Optional[torch.Tensor]
     lo: int = 0                     # ZeRO 1-2: the own shard's first element in the full copy
     steps: Optional[List[int]] = None  # the slots' step counts, once the update began
     # (state ranges, compute ranges or None) the kernel calls saved; None: the whole buffers, saved ahead.
@@ -167,7 +174,8 @@ class _Undo:
         self.runs.append((state, compute))
         kept = (self.state["master"], self.state["exp_avg"], self.state["exp_avg_sq"])
         return tuple([t[a:b] for a, b in state] for t in kept) + (
-            [self.compute[a - self.lo:b - self.lo] for a, b in compute] if compute is not None else None,)
+            [self.compute[a - self.lo:b - self.lo] for a, b in compute]
+            if compute is not None and self.compute is not None else None,)
 
 
 class Speculation:
@@ -224,7 +232,7 @@ class Speculation:
             n = nbytes(kind_numel(kind, sn), dt)
             state[kind], at = raw[at:at + n].view(dt), at + n
         # See [Note: speculation on several ranks]: the part of the compute copy this rank's update writes.
-        comp = raw[at:at + nbytes(sn, p.modes.dtype)].view(p.modes.dtype)
+        comp = raw[at:at + nbytes(sn, p.modes.dtype)].view(p.modes.dtype) if undo_keeps_compute(p.modes) else None
         lo = p.sharding.shard(tn)[0] if p.modes.zero in (1, 2) else 0
         self._undo[u.index] = _Undo(buf, state, comp, lo, cow=cow)
         return True
@@ -235,7 +243,8 @@ class Speculation:
         d, o = self._undo[u.index], u.opt
         for kind, t in d.state.items():
             t.copy_(getattr(o, kind))
-        self.p.host_cache.copy_home(u, d.compute, d.lo)
+        if d.compute is not None:
+            self.p.host_cache.copy_home(u, d.compute, d.lo)
         d.steps = [s.step for s in u.layout.trainable_slots]
         d.fresh = u.opt.fresh
 
@@ -352,24 +361,38 @@ def _restore(u, d: _Undo, host_cache, compute: bool) -> None:
     if d.runs is None:  # saved whole, ahead: every kind (low-bit moments' scales too)
         for kind, t in d.state.items():
             getattr(o, kind).copy_(t)
-        runs = [([], [(d.lo, d.lo + d.compute.numel())])]
+        runs = [([], [(d.lo, d.lo + d.compute.numel())] if d.compute is not None else None)]
     else:
         runs = d.runs
     for state, _ in runs:
         for a, b in state:
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 getattr(o, kind)[a:b].copy_(d.state[kind][a:b])
-    if compute and any(c for _, c in runs):
-        comp = host_cache.open_for_update(u)
-        if comp is None:  # [Note: fp32 master aliasing]: the cached compute copy is the master
-            comp, read = host_cache.lock_master(u)
-            if read is not None:
-                read.wait()
-        try:
-            for _, c in runs:
-                for a, b in c or ():
-                    comp[a:b].copy_(d.compute[a - d.lo:b - d.lo])
-        finally:
-            host_cache.close_update(u)
+    if compute:
+        _restore_compute(u, d, host_cache, runs)
     for s, n in zip(u.layout.trainable_slots, d.steps):
         s.step = n
+
+
+def _restore_compute(u, d: _Undo, host_cache, runs) -> None:
+    """``u``'s compute copy as before its update: the saved ranges, or
+    (``d.compute`` None: it is the master's bits, [Note: speculative
+    updates]) the slots the update wrote, from the master just restored.
+    Called before the step counts are."""
+    if d.compute is None:  # no ZeRO: state, compute and global indices agree
+        pairs = [((a, b), u.opt.master[a:b]) for a, b in ((s.offset, s.offset + s.numel) for s, n in
+                                                           zip(u.layout.trainable_slots, d.steps) if s.step != n)]
+    else:
+        pairs = [((a, b), d.compute[a - d.lo:b - d.lo]) for _, c in runs for a, b in c or ()]
+    if not pairs:
+        return
+    comp = host_cache.open_for_update(u)
+    if comp is None:  # [Note: fp32 master aliasing]: the cached compute copy is the master
+        comp, read = host_cache.lock_master(u)
+        if read is not None:
+            read.wait()
+    try:
+        for (a, b), src in pairs:
+            comp[a:b].copy_(src)
+    finally:
+        host_cache.close_update(u)
