@@ -121,11 +121,14 @@ and a rollback always restores them, replay or skip.
 The hyper-parameters are those of the step's first early update ([Note:
 hyper-parameters of early updates] in schedule.py), for the replay too.
 
-Cost: saved in the kernel's pass, the undo state adds the writes of 16
-bytes a parameter (fp32 compute copy; 14 in bf16) to the update, streamed:
-on the 2-core development machine that adds about 1.2-1.3 times the
-kernel's own time, against 2-3 times for copying them beforehand with
-torch ``copy_`` (docs/native.md).
+Cost: saved in the kernel's pass, the undo state adds the writes of 12
+bytes a parameter where the compute copy is the master's bits, else 16
+(14 with a bf16 copy) to the update, streamed: on the 2-core development
+machine that adds about 1-1.3 times the kernel's own time, against 2-3
+times for copying them beforehand with torch ``copy_`` (docs/native.md).
+It is the largest cost speculation adds to a step that commits: with the
+saves switched off (an experiment) the gap to overlap="backward" without
+clipping mostly closed.
 A replay's rollback copies the saved ranges back (12 bytes a parameter, the
 compute copy too for a skipped step), on the step's critical path.
 """
