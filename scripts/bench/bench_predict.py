@@ -283,6 +283,8 @@ def main() -> int:
         r = one_row(i, profile, a.steps, a.threads)
         if r is not None:
             out.append(r)
+            if a.json:  # after each row: a long run cut short keeps the rows it measured
+                write_json(a.json, {"rows": out})
     if out:
         errs = [abs(r["error"]) for r in out]
         print(f"\nmedian |error| {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%, "
