@@ -11,6 +11,9 @@ measurements. Unless ``--profile FILE`` is given, a fresh profile is measured
 (``infinity doctor --profile``'s code, in the row's dtype) just before each
 row: on a machine shared with other jobs its speed drifts by tens of percent
 within minutes, and a profile measured then is the machine the row runs on.
+The compute figures (and the AdamW's rate) are probed again in the row's own
+process before each measured step, with one unmeasured step between the
+probe and the measured one (the probe's freed memory is refaulted there).
 Nothing is fitted to the rows. The runs and the profile use ``--threads``
 torch threads (default 1): with 2 on this shared 2-core machine an op's
 fixed cost measured 1.6-5 ms against 0.1 ms with 1 (torch's parallel
@@ -133,22 +136,13 @@ def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
     for s in range(warmup + steps):
         if s >= warmup:  # the machine's compute speed now, between the steps it is compared with
             probes.append({**compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES), "adamw": adamw_rates(None)})
-        t0 = time.perf_counter()
-        o0 = infinity.stats(model)["optimizer_seconds"]
-        fb = [0.0, 0.0]
-        for _ in range(accum):
-            t1 = time.perf_counter()
-            loss = loss_of(model, x, hf)
-            t2 = time.perf_counter()
-            loss.backward()
-            fb = [fb[0] + t2 - t1, fb[1] + time.perf_counter() - t2]
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        t3 = time.perf_counter()
-        ts.append(t3 - t0)
-        parts.append((fb[0], fb[1], t3 - t2))
-        opt_s.append(infinity.stats(model)["optimizer_seconds"] - o0)
+            # The step right after a probe refaults the memory the probe gave back (about 1,500 page faults and
+            # 5% of row 0's step here): a training loop runs no probe, so that step is not measured.
+            _train_step(model, opt, x, hf, accum)
+        got = _train_step(model, opt, x, hf, accum)
+        ts.append(got[0])
+        parts.append(got[1:4])
+        opt_s.append(got[4])
     probes.append({**compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES), "adamw": adamw_rates(None)})
     st = infinity.stats(model)
     infinity.close(model)
@@ -159,6 +153,26 @@ def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
     return {"seconds": med(ts), "all": ts[warmup:], "bytes": st["step_bytes_moved"],
             "forward": med([p[0] for p in parts]), "backward": med([p[1] for p in parts]),
             "step": med([p[2] for p in parts]), "optimizer": med(opt_s), "probes": probes}
+
+
+def _train_step(model, opt, x, hf: bool, accum: int) -> tuple:
+    """One step of ``accum`` micro-batches: (seconds, forward s, backward s,
+    step() + zero_grad() s, the optimizer's seconds), each timed to its end."""
+    import infinity
+    t0 = time.perf_counter()
+    o0 = infinity.stats(model)["optimizer_seconds"]
+    fb = [0.0, 0.0]
+    for _ in range(accum):
+        t1 = time.perf_counter()
+        loss = loss_of(model, x, hf)
+        t2 = time.perf_counter()
+        loss.backward()
+        fb = [fb[0] + t2 - t1, fb[1] + time.perf_counter() - t2]
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    t3 = time.perf_counter()
+    return t3 - t0, fb[0], fb[1], t3 - t2, infinity.stats(model)["optimizer_seconds"] - o0
 
 
 def world_of(i: int) -> int:
