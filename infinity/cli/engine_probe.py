@@ -11,6 +11,13 @@ the second: 144 ops more a pass), so of the differences ``D = a * tensors + c * 
 unknowns follow: ``c`` from the ops the second adds, ``a`` from the rest.
 The ops are counted by costs.count_pass, as the step model counts a real
 model's.
+
+The step boundary ([Note: the step boundary] in step_time.py): each
+``step()`` + ``zero_grad()`` of the models through infinity, less the time
+its updates took (``optimizer_wait_seconds``), is the engine's own time
+there. A third model of the same units with a third of the tensors (2 pairs
+a unit: 48 tensors against 144) separates the part per step from the part
+per parameter tensor.
 """
 
 from __future__ import annotations
@@ -32,12 +39,12 @@ _PHASES = ("forward", "backward")
 
 
 class _Blocks(nn.Module):
-    """6 units of 6 x (LayerNorm, Linear), with 4 GELUs after each linear when ``gelu``."""
+    """6 units of ``pairs`` x (LayerNorm, Linear), with 4 GELUs after each linear when ``gelu``."""
 
-    def __init__(self, gelu: bool):
+    def __init__(self, gelu: bool, pairs: int = 6):
         super().__init__()
         pair = lambda: [nn.LayerNorm(8), nn.Linear(8, 8)] + ([nn.GELU() for _ in range(4)] if gelu else [])  # noqa: E731
-        self.blocks = nn.ModuleList(nn.Sequential(*[m for _ in range(6) for m in pair()]) for _ in range(6))
+        self.blocks = nn.ModuleList(nn.Sequential(*[m for _ in range(pairs) for m in pair()]) for _ in range(6))
 
     def forward(self, x):
         for b in self.blocks:
@@ -66,11 +73,20 @@ def _passes(model: nn.Module, x: torch.Tensor, device: torch.device) -> Tuple[fl
     return t1 - t0, time.perf_counter() - t1
 
 
-def _differences(gelu: bool, device: torch.device, dtype: str, reps: int) -> List[float]:
-    """Median seconds infinity adds to the model's forward and backward."""
+def _boundary(model, opt) -> float:
+    """Seconds of one ``step()`` + ``zero_grad()`` of ``model`` outside its updates."""
+    from ..api import stats
+    w0, t0 = stats(model)["optimizer_wait_seconds"], time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - t0 - (stats(model)["optimizer_wait_seconds"] - w0)
+
+
+def _differences(tiny: nn.Module, device: torch.device, dtype: str, reps: int) -> List[float]:
+    """Median seconds infinity adds to ``tiny``'s forward and backward, and
+    its step boundary's (see the module docstring)."""
     from ..api import close, initialize
     from ..config.runtime import Config
-    tiny = _Blocks(gelu)
     plain = copy.deepcopy(tiny).to(device=device, dtype=_DTYPES[dtype])
     cfg = Config(device=device.type, dtype=dtype, offload_params="host", offload_optimizer="host",
                  unit_classes=["Sequential"])
@@ -80,25 +96,28 @@ def _differences(gelu: bool, device: torch.device, dtype: str, reps: int) -> Lis
     try:
         for _ in range(reps + 2):
             base.append(_passes(plain, x, device))
-            ours.append(_passes(model, x, device))
-            opt.step()
-            opt.zero_grad()
+            ours.append(_passes(model, x, device) + (_boundary(model, opt),))
             plain.zero_grad(set_to_none=True)
     finally:
         close(model)
     med = statistics.median
-    return [med(o[k] for o in ours[2:]) - med(b[k] for b in base[2:]) for k in range(2)]
+    return [med(o[k] for o in ours[2:]) - med(b[k] for b in base[2:]) for k in range(2)] + [
+        med(o[2] for o in ours[2:])]
 
 
 def engine_overhead(device: torch.device, dtype: str, reps: int = 7) -> Dict[str, Dict[str, float]]:
     """``{"param_overhead_s": {phase: s per parameter tensor}, "engine_op_overhead_s":
-    {phase: s per op}}`` of the engine on ``device`` in ``dtype`` (see the module docstring)."""
-    tensors = sum(1 for _ in _Blocks(False).parameters())
+    {phase: s per op}, "step_overhead_s": {"fixed": s a step, "per_tensor": s}}``
+    of the engine on ``device`` in ``dtype`` (see the module docstring)."""
+    tensors, few = (sum(1 for _ in _Blocks(False, pairs).parameters()) for pairs in (6, 2))
     ops = [_ops(g, _DTYPES[dtype]) for g in (False, True)]
-    diff = [_differences(g, device, dtype, reps) for g in (False, True)]
+    diff = [_differences(_Blocks(g), device, dtype, reps) for g in (False, True)]
     per_tensor, per_op = {}, {}
     for k, ph in enumerate(_PHASES):
         c = max(0.0, (diff[1][k] - diff[0][k]) / (ops[1][ph] - ops[0][ph]))
         per_op[ph] = c
         per_tensor[ph] = max(0.0, (diff[0][k] - c * ops[0][ph]) / tensors)
-    return {"param_overhead_s": per_tensor, "engine_op_overhead_s": per_op}
+    many, fewer = statistics.mean(d[2] for d in diff), _differences(_Blocks(False, 2), device, dtype, reps)[2]
+    step = max(0.0, (many - fewer) / (tensors - few))
+    return {"param_overhead_s": per_tensor, "engine_op_overhead_s": per_op,
+            "step_overhead_s": {"fixed": max(0.0, fewer - step * few), "per_tensor": step}}

@@ -12,8 +12,8 @@ minute. Each figure is measured the way the engine uses the hardware:
   them the way the model counts a real one): dispatch, autograd and module
   calls;
 - the engine's own time per parameter tensor and per op of a unit, in
-  forward and in backward: tiny units through infinity against plain
-  PyTorch (engine_probe.py);
+  forward and in backward, and at the step boundary (per step and per
+  tensor): tiny units through infinity against plain PyTorch (engine_probe.py);
 - copies: on CUDA pinned copies per direction; on the CPU a memcpy on one
   worker thread, as the mover's threads copy;
 - the native AdamW, parameters/s, with bf16 and fp32 gradients and a bf16
@@ -219,8 +219,8 @@ def compute_speeds(device: torch.device, dtype: str, sizes=GEMM_SIZES) -> Dict[s
     """The compute side of a profile, alone (a few seconds): ``gemm_flops``
     ({dtype: [[n, FLOP/s]]}, fp32's too), ``mem_bw`` (bytes/s) and
     ``op_overhead_s`` (s), ``param_overhead_s`` and ``engine_op_overhead_s``
-    ({"forward", "backward"}: s), and the kernels' rates in ``dtype``
-    (``gemm_shapes``, ``attention_flops``, ``op_rates``: {dtype: ...}), as
+    ({"forward", "backward"}: s), ``step_overhead_s`` ({"fixed", "per_tensor"}:
+    s), and the kernels' rates in ``dtype`` (``gemm_shapes``, ``attention_flops``, ``op_rates``: {dtype: ...}), as
     :func:`measure_profile` measures them."""
     dt = _DTYPES[dtype]
     gemm = {dtype: gemm_rates(device, dt, sizes)}
@@ -245,7 +245,7 @@ def measure_profile(device: torch.device, dtype: str, swap_paths: List[str], thr
         source=f"infinity doctor --profile, {time.strftime('%Y-%m-%d %H:%M:%S')}; swap paths {swap_paths}",
         device=device.type, gemm_flops=comp["gemm_flops"], mem_bw=comp["mem_bw"],
         op_overhead_s=comp["op_overhead_s"], param_overhead_s=comp["param_overhead_s"],
-        engine_op_overhead_s=comp["engine_op_overhead_s"], gemm_shapes=comp["gemm_shapes"],
+        engine_op_overhead_s=comp["engine_op_overhead_s"], step_overhead_s=comp["step_overhead_s"], gemm_shapes=comp["gemm_shapes"],
         attention_flops=comp["attention_flops"], op_rates=comp["op_rates"],
         h2d_bw=copies["h2d"], d2h_bw=copies["d2h"],
         adamw_params_per_s=adamw_rates(threads), disk_read_bw=read, disk_write_bw=write,

@@ -11,6 +11,9 @@ measurements. Unless ``--profile FILE`` is given, a fresh profile is measured
 (``infinity doctor --profile``'s code, in the row's dtype) just before each
 row: on a machine shared with other jobs its speed drifts by tens of percent
 within minutes, and a profile measured then is the machine the row runs on.
+The compute figures (and the AdamW's rate) are probed again in the row's own
+process before each measured step, with one unmeasured step between the
+probe and the measured one (the probe's freed memory is refaulted there).
 Nothing is fitted to the rows. The runs and the profile use ``--threads``
 torch threads (default 1): with 2 on this shared 2-core machine an op's
 fixed cost measured 1.6-5 ms against 0.1 ms with 1 (torch's parallel
@@ -118,7 +121,7 @@ def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
     backward and step() seconds, the optimizer's seconds a step, and the
     bytes moved per step."""
     import infinity
-    from infinity.cli.profile_measure import compute_speeds
+    from infinity.cli.profile_measure import adamw_rates, compute_speeds
     config, gcfg, batch = row_config(i)
     hf, accum = ROWS[i][2].get("hf", False), config.grad_accumulation_steps
     if world_of(i) > 1:  # under torchrun: every rank trains its own micro-batch; rank 0 reports
@@ -132,24 +135,15 @@ def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[config.torch_dtype]
     for s in range(warmup + steps):
         if s >= warmup:  # the machine's compute speed now, between the steps it is compared with
-            probes.append(compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES))
-        t0 = time.perf_counter()
-        o0 = infinity.stats(model)["optimizer_seconds"]
-        fb = [0.0, 0.0]
-        for _ in range(accum):
-            t1 = time.perf_counter()
-            loss = loss_of(model, x, hf)
-            t2 = time.perf_counter()
-            loss.backward()
-            fb = [fb[0] + t2 - t1, fb[1] + time.perf_counter() - t2]
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        t3 = time.perf_counter()
-        ts.append(t3 - t0)
-        parts.append((fb[0], fb[1], t3 - t2))
-        opt_s.append(infinity.stats(model)["optimizer_seconds"] - o0)
-    probes.append(compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES))
+            probes.append({**compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES), "adamw": adamw_rates(None)})
+            # The step right after a probe refaults the memory the probe gave back (about 1,500 page faults and
+            # 5% of row 0's step here): a training loop runs no probe, so that step is not measured.
+            _train_step(model, opt, x, hf, accum)
+        got = _train_step(model, opt, x, hf, accum)
+        ts.append(got[0])
+        parts.append(got[1:4])
+        opt_s.append(got[4])
+    probes.append({**compute_speeds(torch.device("cpu"), dtype, PROBE_SIZES), "adamw": adamw_rates(None)})
     st = infinity.stats(model)
     infinity.close(model)
     if world_of(i) > 1:
@@ -159,6 +153,26 @@ def measure_row(i: int, steps: int, warmup: int = 3) -> dict:
     return {"seconds": med(ts), "all": ts[warmup:], "bytes": st["step_bytes_moved"],
             "forward": med([p[0] for p in parts]), "backward": med([p[1] for p in parts]),
             "step": med([p[2] for p in parts]), "optimizer": med(opt_s), "probes": probes}
+
+
+def _train_step(model, opt, x, hf: bool, accum: int) -> tuple:
+    """One step of ``accum`` micro-batches: (seconds, forward s, backward s,
+    step() + zero_grad() s, the optimizer's seconds), each timed to its end."""
+    import infinity
+    t0 = time.perf_counter()
+    o0 = infinity.stats(model)["optimizer_seconds"]
+    fb = [0.0, 0.0]
+    for _ in range(accum):
+        t1 = time.perf_counter()
+        loss = loss_of(model, x, hf)
+        t2 = time.perf_counter()
+        loss.backward()
+        fb = [fb[0] + t2 - t1, fb[1] + time.perf_counter() - t2]
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    t3 = time.perf_counter()
+    return t3 - t0, fb[0], fb[1], t3 - t2, infinity.stats(model)["optimizer_seconds"] - o0
 
 
 def world_of(i: int) -> int:
@@ -179,8 +193,9 @@ def predict_row(i: int, profile):
 
 def same_time_profile(profile, probes: list):
     """``profile`` with its compute figures (GEMM rates, memory bandwidth,
-    per-op cost, the engine's time per parameter tensor and op, the kernels'
-    rates) replaced by the medians of the probes the run measured
+    per-op cost, the engine's time per parameter tensor and op and at the
+    step boundary, the kernels' rates, the AdamW's rate: it runs on the same
+    cores) replaced by the medians of the probes the run measured
     between its steps: on a shared machine the speed drifts by 2x within a
     minute, so the speed the step is compared with is the one measured with it."""
     med = statistics.median
@@ -188,8 +203,8 @@ def same_time_profile(profile, probes: list):
     for dt in probes[0]["gemm_flops"]:
         sizes = sorted({n for p in probes for n, _ in p["gemm_flops"][dt]})
         gemm[dt] = [[n, med([r for p in probes for m, r in p["gemm_flops"][dt] if m == n])] for n in sizes]
-    engine = {k: {ph: med([p[k][ph] for p in probes]) for ph in ("forward", "backward")}
-              for k in ("param_overhead_s", "engine_op_overhead_s")}
+    engine = {k: {ph: med([p[k][ph] for p in probes]) for ph in probes[0][k]}
+              for k in ("param_overhead_s", "engine_op_overhead_s", "step_overhead_s")}
     dt = next(iter(probes[0]["gemm_shapes"]))
     kernels = {  # the kernels' rates: each figure's median over the probes
         "gemm_shapes": {dt: [p[:3] + [med([q["gemm_shapes"][dt][j][3] for q in probes])]
@@ -198,6 +213,8 @@ def same_time_profile(profile, probes: list):
                                       for j, (n, _) in enumerate(pts)]
                                  for ph, pts in probes[0]["attention_flops"][dt].items()}},
         "op_rates": {dt: {op: med([q["op_rates"][dt][op] for q in probes]) for op in probes[0]["op_rates"][dt]}}}
+    if "adamw" in probes[0]:
+        kernels["adamw_params_per_s"] = {k: med([p["adamw"][k] for p in probes]) for k in probes[0]["adamw"]}
     return dataclasses.replace(profile, gemm_flops=gemm, mem_bw=med([p["mem_bw"] for p in probes]),
                                op_overhead_s=med([p["op_overhead_s"] for p in probes]), **engine, **kernels)
 
@@ -208,7 +225,7 @@ def phases(pr, got: dict) -> str:
     step() (after the last backward), and the optimizer's busy time."""
     tasks = pr.sim.tasks
     span = lambda kind: sum(t.end - t.start for t in tasks if t.name.startswith(kind))  # noqa: E731
-    bwd_end = max((t.end for t in tasks if t.resource == "compute"), default=0.0)
+    bwd_end = max((t.end for t in tasks if t.name.startswith(("forward ", "backward "))), default=0.0)
     pred = {"forward": span("forward "), "backward": span("backward "), "step": pr.seconds - bwd_end,
             "optimizer": pr.busy.get("optimizer", 0.0)}
     return "  ".join(f"{k} {pred[k]:.3f}/{got[k]:.3f}" for k in pred) + "  (s, predicted/measured)"
@@ -247,7 +264,7 @@ def one_row(i: int, profile, steps: int, threads: int):
             "steps": got["all"], "error": err, "bound": pr.bound, "exposed": pr.exposed, "busy": pr.busy,
             "bytes_predicted": pr.bytes, "bytes_measured": got["bytes"], "load_average": load,
             "phases_measured": {k: got[k] for k in ("forward", "backward", "step", "optimizer")},
-            "profile": dataclasses.asdict(prof)}
+            "profile": dataclasses.asdict(prof), "adamw_before_row": profile.adamw_params_per_s}
 
 
 def main() -> int:
@@ -280,6 +297,8 @@ def main() -> int:
         r = one_row(i, profile, a.steps, a.threads)
         if r is not None:
             out.append(r)
+            if a.json:  # after each row: a long run cut short keeps the rows it measured
+                write_json(a.json, {"rows": out})
     if out:
         errs = [abs(r["error"]) for r in out]
         print(f"\nmedian |error| {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%, "

@@ -224,8 +224,39 @@ def test_engine_overhead_measures_in_a_low_precision_dtype():
     models handed to initialize (the engine casts the compute copy), whatever the run's dtype."""
     from infinity.cli.engine_probe import engine_overhead
     got = engine_overhead(torch.device("cpu"), "bf16", reps=1)
-    assert set(got) == {"param_overhead_s", "engine_op_overhead_s"}
-    assert all(set(v) == {"forward", "backward"} and min(v.values()) >= 0.0 for v in got.values())
+    assert set(got) == {"param_overhead_s", "engine_op_overhead_s", "step_overhead_s"}
+    assert set(got["step_overhead_s"]) == {"fixed", "per_tensor"}
+    assert all(min(v.values()) >= 0.0 for v in got.values())
+    assert all(set(got[k]) == {"forward", "backward"} for k in ("param_overhead_s", "engine_op_overhead_s"))
+
+
+@pytest.mark.parametrize("overlap", ["step", "backward", "delayed"])
+def test_step_boundary_is_one_serial_task_after_the_updates(tmp_path, overlap):
+    """[Note: the step boundary]: the step ends with the engine's own time,
+    fixed plus per parameter tensor of the model, after the last backward and
+    every update, exactly; none when the profile has no figure."""
+    from infinity.engine.plan.costs import count_pass
+    from infinity.engine.plan.estimator import placed
+    from infinity.engine.plan.step_time import predict_step
+    m, fwd = meta_model()
+    cfg = config(tmp_path, overlap=overlap)
+    units = placed(m, cfg)
+    costs = count_pass(m, fwd, {u.index: u.modules for u in units[0][1:]}, torch.float32)
+    slow = profile(adamw_params_per_s={"fp32": 1e5})  # updates outlast backward: the boundary waits for them
+    base = predict_step(m, cfg, fwd, slow, units, costs)
+    more = predict_step(m, cfg, fwd, dataclasses.replace(slow, step_overhead_s={"fixed": 0.25, "per_tensor": 0.01}),
+                        units, costs)
+    tensors = sum(len(u.layout.slots) for u in units[0])
+    assert tensors == sum(1 for _ in m.parameters())
+    assert more.seconds == pytest.approx(base.seconds + 0.25 + 0.01 * tensors)
+    (b,) = [t for t in more.sim.tasks if t.name == "step() boundary"]
+    assert b.resource == "compute" and b.end == pytest.approx(more.seconds)
+    assert b.start == pytest.approx(max(t.end for t in more.sim.tasks if t.resource in ("compute", "optimizer")
+                                        and t is not b))
+    assert more.exposed["step()"] == pytest.approx(0.25 + 0.01 * tensors)
+    assert "step()" not in base.exposed or base.exposed["step()"] == 0.0
+    with pytest.raises(ValueError, match="step_overhead_s takes the keys 'fixed' and 'per_tensor'"):
+        profile(step_overhead_s={"forward": 1e-3})
 
 
 def test_engine_time_is_priced_per_parameter_tensor_and_op(tmp_path):
@@ -246,7 +277,7 @@ def test_engine_time_is_priced_per_parameter_tensor_and_op(tmp_path):
     tasks = {t.name: t.end - t.start for t in base.sim.tasks}
     checked = 0
     for t in more.sim.tasks:
-        if t.resource == "compute":
+        if t.name.split()[0] in ("forward", "backward"):
             phase, i = t.name.split()[0], int(t.name.split()[1])
             lay = units[0][i].layout
             n = len(lay.trainable_slots if phase == "backward" else lay.slots)

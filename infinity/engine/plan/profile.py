@@ -45,6 +45,9 @@ class Profile:
     param_overhead_s: Dict[str, float] = field(default_factory=dict)
     # ... and per op the unit runs (the saved-tensor hooks, the guard's dispatch), per pass, s.
     engine_op_overhead_s: Dict[str, float] = field(default_factory=dict)
+    # The engine's own time at the step boundary, outside the optimizer's kernels ([Note: the step boundary] in
+    # step_time.py): "fixed" s a step, "per_tensor" s per parameter tensor of the model. Empty: none.
+    step_overhead_s: Dict[str, float] = field(default_factory=dict)
     # ZeRO's links ([Note: collectives in the step model] in collectives.py): "net_device" / "net_host" ->
     # bytes/s this rank sends in a ring collective, and the fixed cost of one collective, s.
     net_bw: Dict[str, float] = field(default_factory=dict)
@@ -66,15 +69,16 @@ class Profile:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"profile {self.name!r}: {k}={v!r} must be a positive number (bytes/s)")
-        per_pass = [(f"{k}[{p!r}]", v) for k in ("param_overhead_s", "engine_op_overhead_s")
+        per_pass = [(f"{k}[{p!r}]", v) for k in ("param_overhead_s", "engine_op_overhead_s", "step_overhead_s")
                     for p, v in getattr(self, k).items()]
         for k, v in [("op_overhead_s", self.op_overhead_s)] + per_pass:
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"profile {self.name!r}: {k}={v!r} must be a number >= 0 (seconds)")
-        for k in ("param_overhead_s", "engine_op_overhead_s"):
-            if set(getattr(self, k)) - {"forward", "backward"}:
-                raise ValueError(f"profile {self.name!r}: {k} takes the keys 'forward' and 'backward', "
-                                 f"not {sorted(set(getattr(self, k)) - {'forward', 'backward'})}")
+        for k, keys in (("param_overhead_s", ("forward", "backward")), ("engine_op_overhead_s", ("forward", "backward")),
+                        ("step_overhead_s", ("fixed", "per_tensor"))):
+            if set(getattr(self, k)) - set(keys):
+                raise ValueError(f"profile {self.name!r}: {k} takes the keys {' and '.join(map(repr, keys))}, "
+                                 f"not {sorted(set(getattr(self, k)) - set(keys))}")
         for dt, grid in self.gemm_shapes.items():
             _check_grid(self.name, dt, grid)
         if not self.gemm_flops:

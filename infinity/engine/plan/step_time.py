@@ -48,6 +48,22 @@ the ops counted for it, both measured by ``infinity doctor --profile``
 (cli/engine_probe.py). A per-unit figure measured on small units (the
 earlier model) missed most of it: a GPT block has 12 tensors and ~40 ops.
 
+[Note: the step boundary]
+``step()`` and ``zero_grad()`` do more than the updates: the gradients'
+drain and scale, each unit's device copy dropped for the new values and
+its parameters' stand-ins set (``invalidate``), the memory-pressure check,
+the head of the next pass's trace issued ([Note: the trace wraps around the
+step] in residency.py), each gradient forgotten. It runs on the calling
+thread after the last update, before the next forward can start: one
+serial task on compute after every update and the last backward, of
+``step_overhead_s["fixed"]`` plus ``step_overhead_s["per_tensor"]`` times
+the model's parameter tensors, both measured by ``infinity doctor
+--profile`` (cli/engine_probe.py: tiny units' ``step()`` + ``zero_grad()``
+less their updates, at 48 and 144 tensors). Measured here (one torch
+thread, the machine loaded by other jobs): 2-5 ms a step and 40-50 us a
+tensor, 3-11 ms of the bench's 0.14 s GPT step, which the model had left
+out (its step() ended with the last update).
+
 Left out: activation memory and the
 allocator, the data loader, checksums, host-pool back-pressure other than the
 update queue's, and (with gradient accumulation) the reading back of
@@ -242,6 +258,13 @@ class _Builder:
         self._optimizer(compute_end)
         if pre:
             self.sim.add("step() waits", "optimizer", 0.0, "optimizer", pre)
+        self._step_boundary(compute_end, pre)
+
+    def _step_boundary(self, compute_end: Optional[int], pre: list) -> None:
+        """The engine's own time after the updates ([Note: the step boundary])."""
+        so = self.prof.step_overhead_s
+        secs = so.get("fixed", 0.0) + so.get("per_tensor", 0.0) * sum(n for n, _ in self.tensors)
+        self.sim.add("step() boundary", "compute", secs, "step()", [compute_end, *self.updates.values(), *pre])
 
     def _pass(self, trace: List[int], n_fwd: int, start: Optional[int]) -> Optional[int]:
         """Forward and backward over ``trace`` after task ``start`` (the last
