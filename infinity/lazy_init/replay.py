@@ -191,7 +191,7 @@ class Scratch:
     right after its draw (:meth:`trim`); smaller ones are reused, so many
     small draws do not each map and fault fresh memory."""
 
-    KEEP_BYTES = 64 << 20
+    KEEP_BYTES = 16 << 20
 
     def __init__(self) -> None:
         self._bufs: Dict[bool, torch.Tensor] = {}
