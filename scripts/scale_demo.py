@@ -28,7 +28,7 @@ estimator's need (disk, RSS) is printed and the free disk checked first.
 Usage: python scripts/scale_demo.py [--layers 51 --embd 2560] [--steps 3]
                                     [--host-memory 5.5GiB] [--device-memory 1GiB] [--swap-dir DIR]
                                     [--checkpoint DIR]
-       python scripts/scale_demo.py --shape llama3-8b --steps 2 --swap-dir DIR
+       python scripts/scale_demo.py --shape llama3-8b --steps 2 --swap-dir DIR [--layers 32]
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=["gpt", "llama3-8b"], default="gpt",
                     help="gpt: the GPT of --layers/--embd (default); llama3-8b: a Llama-3-8B-shaped HF model "
-                         "(scripts/scale_llama.py; --layers/--embd/--heads/--vocab ignored)")
-    ap.add_argument("--layers", type=int, default=51, help="GPT blocks (default 51: ~4 B params at --embd 2560)")
+                         "(scripts/scale_llama.py; --embd/--heads/--vocab ignored)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="GPT blocks (default 51: ~4 B params at --embd 2560); with --shape llama3-8b its decoder "
+                         "layers (default 32; fewer keep the full width and vocabulary at a smaller disk need)")
     ap.add_argument("--embd", type=int, default=2560, help="embedding width, a multiple of --heads (default 2560)")
     ap.add_argument("--heads", type=int, default=20, help="attention heads (default 20)")
     ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size, tokens (default 8192)")
@@ -131,6 +133,7 @@ def main() -> int:
     if args.shape == "llama3-8b":
         from scale_llama import main_llama  # noqa: E402  (scripts/scale_llama.py)
         return main_llama(args, train)
+    args.layers = 51 if args.layers is None else args.layers
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                     n_embd=args.embd)
     n = cfg.num_params()

@@ -55,14 +55,20 @@ def llama_config(args) -> infinity.Config:
                            unit_classes=["LlamaDecoderLayer", "Embedding", "Linear"])
 
 
-def build(lazy: bool):
+def shape(args) -> dict:
+    """SHAPE with ``args.layers`` decoder layers (None: 32): fewer layers keep
+    the width and the 525 M-parameter embedding and head, the largest units."""
+    return dict(SHAPE, num_hidden_layers=SHAPE["num_hidden_layers"] if args.layers is None else args.layers)
+
+
+def build(lazy: bool, args):
     """The model under ``infinity.init`` (seeded), no weights in memory; not
     ``lazy``: plain meta tensors, for the estimate (its splits keep references
     to the parameters, which a lazy model's materialisation refuses)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     with infinity.init() if lazy else torch.device("meta"):
-        return LlamaForCausalLM(LlamaConfig(**SHAPE))
+        return LlamaForCausalLM(LlamaConfig(**shape(args)))
 
 
 def hf_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -73,14 +79,15 @@ def hf_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def check(args, config) -> bool:
     """Prints the estimate; False (with the error printed) if the swap disk lacks room."""
     x = torch.zeros((args.batch, args.seq), dtype=torch.long, device="meta")
-    peaks = estimate_peaks(build(lazy=False), config, lambda m: hf_loss(m, x, x), lazy=True)
+    peaks = estimate_peaks(build(lazy=False, args=args), config, lambda m: hf_loss(m, x, x), lazy=True)
     need = peaks["nvme"]["capacity"] + DISK_MARGIN
     paths = config.swap_paths
     for p in paths:
         os.makedirs(p, exist_ok=True)
     free = sum(shutil.disk_usage(p).free for p in {os.stat(p).st_dev: p for p in paths}.values())
     n = peaks["units"]["parameters"]
-    print(f"model: Llama-3-8B shape, {n / 1e9:.2f} B parameters in {peaks['units']['count']} paging units; "
+    print(f"model: Llama-3-8B shape ({shape(args)['num_hidden_layers']} layers), {n / 1e9:.2f} B parameters in "
+          f"{peaks['units']['count']} paging units; "
           f"estimate: host minimum {format_bytes(peaks['host']['minimum'])}, peak RSS "
           f"{format_bytes(peaks['rss']['peak'])}, swap files {format_bytes(peaks['nvme']['capacity'])}", flush=True)
     print(f"disk: needs {format_bytes(need)} on {paths} (swap files + {format_bytes(DISK_MARGIN)} margin); "
@@ -110,7 +117,7 @@ def main_llama(args, train) -> int:
     if not check(args, config):
         return 2
     t0 = time.perf_counter()
-    model = build(lazy=True)
+    model = build(lazy=True, args=args)
     print(f"built under infinity.init in {time.perf_counter() - t0:.1f} s; RSS {format_bytes(rss_bytes('VmRSS'))}",
           flush=True)
     t0 = time.perf_counter()
@@ -121,8 +128,8 @@ def main_llama(args, train) -> int:
     reset = reset_peak_rss()
     _, _, losses, times = train(model, opt, args, hf_loss)
     s = infinity.stats(model)
-    infinity.close(model)
     peak = rss_bytes()
+    infinity.close(model, keep_values=False)  # keeping them would materialise the whole model in fp32
     print(f"\n{len(losses)} optimizer steps, {sum(times) / len(times):.1f} s/step (first {times[0]:.1f} s)")
     print("peak bytes per tier: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["peak_bytes"].items()))
     print("bytes moved in total: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["bytes_moved"].items()))

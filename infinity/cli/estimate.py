@@ -148,8 +148,8 @@ def render(est: Dict[str, Dict[str, Optional[int]]]) -> str:
 _PEAK_PARTS = {
     "device": ("model_state", "gradients_in_flight", "activations"),
     "host": ("model_state", "cache_and_transients"),
-    "rss": ("baseline", "host_pool", "device_tier_in_ram", "activations", "staging", "runtime",
-            "model_fp32_at_initialize"),
+    "rss": ("baseline", "host_pool", "device_tier_in_ram", "activations", "weight_grad_workspace", "staging",
+            "runtime", "model_fp32_at_initialize"),
 }
 
 

@@ -11,8 +11,9 @@ a tensor or writes into one (``torch.empty``, ``nn.init.normal_``,
 (see [Note: replaying the tape]) on the CPU, from the global RNG state the
 program had when it entered the context, and hands each paging unit's final
 values to the engine as soon as the last operation writing them has run, so
-only the units in progress (plus one scratch tensor the size of the largest
-tensor) are ever in RAM.
+only the units in progress (plus, while a discarded random draw runs, a
+scratch tensor of its size: see [Note: the replay's scratch is not kept] in
+replay.py) are ever in RAM.
 
 [Note: reproducibility]
 Eager construction draws every random number from torch's one global CPU

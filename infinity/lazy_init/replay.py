@@ -98,6 +98,7 @@ def replay(rec: "Recorder", wanted: Set[int], status: List[Optional[str]],
                     run_op(rec, op, real, uninitialised)
                 elif st == "rng":
                     run_on_scratch(rec, op, real, scratch)
+                    scratch.trim()
                 held = sum(t.numel() * t.element_size() for t in real.values())
                 rec.peak_held_bytes = max(rec.peak_held_bytes, held)
                 on_written(i, real)
@@ -177,10 +178,28 @@ def run_on_scratch(rec: "Recorder", op: Op, real: Dict[int, torch.Tensor], scrat
 
 class Scratch:
     """One buffer for targets and one for inputs of operations run only to
-    advance the generator; grown to the largest tensor seen."""
+    advance the generator, reused while at most ``KEEP_BYTES``.
+
+    [Note: the replay's scratch is not kept]
+    A draw that a later initialisation overwrites (``nn.Embedding``'s
+    ``normal_`` before Hugging Face's ``_init_weights``) runs on scratch the
+    size of its tensor. Kept for the whole replay, the largest such tensor
+    (a 128256 x 4096 vocabulary: 2 GiB in fp32) stayed resident beside every
+    unit materialised after it, the pool and the unit in progress included:
+    measured on the Llama-3-8B shape, initialise's peak was that much above
+    what the units needed. A buffer above ``KEEP_BYTES`` is therefore freed
+    right after its draw (:meth:`trim`); smaller ones are reused, so many
+    small draws do not each map and fault fresh memory."""
+
+    KEEP_BYTES = 16 << 20
 
     def __init__(self) -> None:
         self._bufs: Dict[bool, torch.Tensor] = {}
+
+    def trim(self) -> None:
+        """Frees the buffers larger than ``KEEP_BYTES`` (see the Note above)."""
+        for k in [k for k, b in self._bufs.items() if b.numel() > self.KEEP_BYTES]:
+            del self._bufs[k]
 
     def get(self, numel: int, dtype: torch.dtype, target: bool) -> torch.Tensor:
         """A ``numel``-element ``dtype`` view of the target or input buffer."""

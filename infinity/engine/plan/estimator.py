@@ -15,11 +15,27 @@ engine's own placement arithmetic (``infinity.engine.plan.placement``):
   the pool caches up to its budget;
 - nvme: the bytes the swap files hold (compute copies, master, moments);
 - process RSS: the interpreter and libraries as they are now (measured in
-  this process), the model's fp32 tensors while ``initialize`` copies them
-  (unless built under ``infinity.init``), the host pool, on a CPU "device" the
-  device tier and the activations, the NVMe staging buffers and a fixed
-  runtime overhead (``RUNTIME_BYTES``, measured: autograd, kernels' workspace
-  and allocator caches, the optimizer's threads).
+  this process), the host pool, on a CPU "device" the device tier, the
+  activations and the fp32 workspace of a 16-bit weight gradient
+  (``MM_WORKSPACE_FP32``), the NVMe staging buffers and a fixed runtime
+  overhead (``RUNTIME_BYTES``, measured: autograd, kernels' workspace and
+  allocator caches, the optimizer's threads); or, if larger, what
+  ``initialize`` holds: the pool and the model's tensors as built (all of
+  them, or under ``infinity.init`` the largest unit's, materialised one unit
+  at a time: [Note: initialise's peak]).
+
+[Note: initialise's peak]
+``initialize`` of a model built under ``infinity.init`` materialises one
+unit's values at a time, in the dtype they were built in (fp32), and hands
+them to the tiers: the compute copy into a pool buffer, the master to NVMe
+through pool buffers of one chunk ([Note: initial masters in pieces] in
+values.py). The replay's scratch for discarded random draws is freed after
+each large draw ([Note: the replay's scratch is not kept] in
+lazy_init/replay.py). So beside the pool (prefaulted whole where it is not
+locked) and the staging, RSS holds the largest unit's built values: on the
+Llama-3-8B shape (1 layer, measured) the peak went from pool + 5.9 GiB
+(a 2 GiB scratch, the 2 GiB unit and its 1 GiB master temporary, the unit's
+cached copy) to pool + the unit.
 
 Activations are measured by running the model's forward on meta tensors and
 summing what autograd saves for backward (parameters excluded: they are the
@@ -51,6 +67,12 @@ from .activations import activation_bytes
 __all__ = ["estimate_peaks", "measure_activations", "activation_bytes", "placed", "compute_device", "RUNTIME_BYTES"]
 
 RUNTIME_BYTES = 48 << 20    # measured: RSS a step adds beyond the parts counted here (docs/cli.md)
+# Measured (torch 2.13, CPU): the gradient of an nn.Linear weight in bf16 or
+# fp16, ``grad_out.t().mm(input)``, takes an fp32 buffer of the weight's shape
+# beside its 16-bit result (a transposed 16-bit operand goes through an fp32
+# gemm); 3x the gradient's bytes at its peak, 1x in fp32 or for an embedding.
+# On the Llama-3-8B shape its head (525 M) made this 1.96 GiB of RSS.
+MM_WORKSPACE_FP32 = 4       # bytes an element of that buffer
 RECOMPUTE_UNITS = 3         # blocks' worth of activations a checkpointed block's backward holds (measured)
 BACKWARD_UNITS = 1          # blocks' worth of activation gradients beside what was saved, without checkpointing
 
@@ -129,6 +151,15 @@ def _host_peak(places, modes: Modes, config: Config) -> Dict[str, int]:
             "minimum": h.minimum, "capacity": h.capacity, "budget": budget, "nvme_bytes": h.nvme_bytes}
 
 
+def _mm_workspace(model: nn.Module, modes: Modes) -> int:
+    """RSS of the fp32 buffer torch's CPU gemm takes for the largest trainable
+    nn.Linear weight's 16-bit gradient (0 in fp32); see MM_WORKSPACE_FP32."""
+    if modes.dtype == torch.float32:
+        return 0
+    return MM_WORKSPACE_FP32 * max((m.weight.numel() for m in model.modules()
+                                    if isinstance(m, nn.Linear) and m.weight.requires_grad), default=0)
+
+
 def measure_activations(model: nn.Module, units, run: Optional[Callable[[nn.Module], torch.Tensor]]) -> Dict:
     """activation_bytes of ``run(model)`` over the paging ``units``' modules
     (zeros when ``run`` is None; an ``error`` entry when the forward does not
@@ -175,13 +206,17 @@ def estimate_peaks(model: nn.Module, config: Config, run: Optional[Callable[[nn.
     act["peak_" + ("with" if act["checkpointing"] else "without") + "_checkpointing"] = act_peak
     on_cpu = modes.device.type == "cpu"
     staging = STAGING_PER_PATH * config.swap_block_size * len(config.swap_paths) if modes.nvme_used else 0
-    model_fp32 = 0 if lazy else sum(4 * p.numel() for p in model.parameters())
+    # See [Note: initialise's peak]: the model's tensors as built, or the largest unit's under infinity.init.
+    built = max((sum(s.numel * s.param.element_size() for s in u.layout.slots) for u in units), default=0) \
+        if lazy else sum(p.numel() * p.element_size() for p in model.parameters())
     base = baseline_rss if baseline_rss is not None else sysinfo.rss_bytes()
-    training = host["peak"] + staging + RUNTIME_BYTES + ((dev["peak"] + act_peak) if on_cpu else 0)
-    at_init = model_fp32 + host["peak"]
-    rss = {"baseline": base, "model_fp32_at_initialize": model_fp32, "host_pool": host["peak"],
+    workspace = _mm_workspace(model, modes) if on_cpu else 0
+    training = host["peak"] + staging + RUNTIME_BYTES + ((dev["peak"] + act_peak + workspace) if on_cpu else 0)
+    at_init = built + host["peak"] + staging
+    rss = {"baseline": base, "model_fp32_at_initialize": built, "host_pool": host["peak"],
            "device_tier_in_ram": dev["peak"] if on_cpu else 0, "activations": act_peak if on_cpu else 0,
-           "staging": staging, "runtime": RUNTIME_BYTES, "peak": base + max(training, at_init)}
+           "weight_grad_workspace": workspace, "staging": staging, "runtime": RUNTIME_BYTES,
+           "peak": base + max(training, at_init)}
     # On CUDA the activations sit beside the tier in the device's memory: the
     # device needs both (device_memory budgets the model state alone).
     dev["activations"] = 0 if on_cpu else act_peak

@@ -16,7 +16,8 @@ gradients). What is transient comes on top:
 - NVMe compute copies: a cache of at least ``prefetch_depth + 2`` copies of
   the largest unit (the prefetched ones, the one computing, one being
   written back) and the root's;
-- NVMe optimizer state: ``PIPELINE_GRAD_BUFFERS`` fp32 gradient buffers of
+- NVMe optimizer state: ``PIPELINE_GRAD_BUFFERS`` gradient buffers (in the
+  host gradients' dtype, see [Note: gradients in the compute dtype]) of
   the largest unit whose gradients are kept whole (two units' in the
   optimizer's pipeline, and the unit's whose backward runs), the chunk
   buffers of gradients streamed in chunks (``streamed_grad_bytes``, the
@@ -367,11 +368,13 @@ class HostNeed:
 def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
     """The host tier's needs for units placed ``places`` (the root first)."""
     perm = cache_all = nvme = zero_transient = chunk_keys = 0
-    largest_c = largest_t = largest_s = streamed = 0
+    largest_c = largest_t = largest_g = largest_s = streamed = 0
     for p in places:
         cb = round_pool(p.compute_bytes)
         tb = round_pool(nbytes(p.trainable_numel, torch.float32)) if p.trainable else 0
-        largest_c, largest_t = max(largest_c, cb), max(largest_t, tb if not p.grad_chunked else 0)
+        largest_c, largest_t = max(largest_c, cb), max(largest_t, tb)
+        if p.trainable and not p.grad_chunked:  # whole gradient buffers, in their host dtype
+            largest_g = max(largest_g, round_pool(nbytes(p.trainable_numel, modes.grad_dtype)))
         streamed = max(streamed, streamed_grad_bytes(p, modes))
         largest_s = max(largest_s, tb if not p.chunked else round_pool(nbytes(p.chunk_numel, torch.float32)))
         if modes.compute_home_host:
@@ -389,7 +392,7 @@ def host_need(places: List[UnitPlacement], modes: Modes) -> HostNeed:
             k = (0 if modes.zero else gb) + state_pool_bytes(p, modes, sb, master=not p.aliased)
             cache_all, nvme = cache_all + k, nvme + k
             chunk_keys += (len(p.windows) - 1) * (len(state_kinds(modes.moment_dtype)) + p.grad_chunked)
-    pipeline = PIPELINE_GRAD_BUFFERS * largest_t + streamed + PIPELINE_STATE_BUFFERS * largest_s + largest_c
+    pipeline = PIPELINE_GRAD_BUFFERS * largest_g + streamed + PIPELINE_STATE_BUFFERS * largest_s + largest_c
     minimum = perm
     if modes.params_nvme:
         minimum += (modes.depth + NVME_CACHE_SPARE) * largest_c + round_pool(places[0].compute_bytes)
