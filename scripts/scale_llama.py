@@ -17,12 +17,26 @@ compute copy of a vocabulary-sized unit costs 1 GiB of the budget.
 
 Measured here once (2 cores, 24 GiB RAM, one virtual disk; ``--steps 2 --seq
 16 --host-memory 3.5GiB --device-memory 2GiB``): estimate host minimum 3.12
-GiB, peak RSS 5.87 GiB, swap files 60.15 GiB; built in 288 s (the RNG replay),
-initialised in 344 s with a peak RSS of 8.94 GiB (over the 8 GiB target: the
-estimate does not count initialisation's transient fp32 values), step 1 in
-1702 s moving 57.2 GiB from and 57.9 GiB to NVMe (disk-bound, ~72 MB/s
-in all) at a peak RSS of 6.02 GiB through its backward and updates; step
-2's forward reached 8.00 GiB (7.997) and the run was stopped there for time.
+GiB, swap files 60.15 GiB; built in 288 s (the RNG replay), initialised in
+344 s with a peak RSS of 8.94 GiB, step 1 in 1702 s moving 57.2 GiB from and
+57.9 GiB to NVMe (disk-bound, ~72 MB/s in all); step 2 reached 8.00 GiB
+(7.997) right after its forward and was stopped there for time.
+
+What made those peaks (measured at 1 and 3 layers, ``--layers``, the same
+settings; RSS sampled every 0.25 s with malloc's figures): initialise held,
+beside the 3.5 GiB pool, the 2 GiB scratch of the embedding's discarded
+construction draw (kept for the whole replay), the unit's 2 GiB of fp32
+values and its whole 1 GiB bf16 master before it was written: 8.76 GiB (1
+layer), 8.82 (3). Now the scratch is freed after its draw and the master
+goes to NVMe chunk by chunk through the pool: 5.85 GiB (1 layer; the
+estimate 5.82), ~6.0 at 32 layers (+6 MiB a layer, as before). Training
+peaks in the head's backward, every step: torch's CPU gemm computes the
+525 M-parameter head's bf16 weight gradient with an fp32 buffer of its
+shape beside it (1 GiB gradient + 2 GiB), on top of the pool and the 1 GiB
+device arena: 7.78 GiB (1 layer), 7.85 (3), so ~8.0 at 32 layers (the 7.997
+above). The estimate counts it now (7.82 GiB at ``--host-memory 3.5GiB``).
+Run the full shape with ``--host-memory 3.25GiB`` (the minimum is 3.12) to
+stay ~0.25 GiB further below 8 GiB (estimate 7.57 GiB).
 """
 
 from __future__ import annotations

@@ -195,6 +195,7 @@ class Values:
             handles.append(h)
         for h in handles:
             h.wait()
+        p.room.release_finished(block=False)  # the pieces' buffers back now, not at the next shortage
 
     # -- loaded later --------------------------------------------------------------------
 

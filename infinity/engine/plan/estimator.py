@@ -33,9 +33,9 @@ values.py). The replay's scratch for discarded random draws is freed after
 each large draw ([Note: the replay's scratch is not kept] in
 lazy_init/replay.py). So beside the pool (prefaulted whole where it is not
 locked) and the staging, RSS holds the largest unit's built values: on the
-Llama-3-8B shape (1 layer, measured) the peak went from pool + 5.9 GiB
-(a 2 GiB scratch, the 2 GiB unit and its 1 GiB master temporary, the unit's
-cached copy) to pool + the unit.
+Llama-3-8B shape (1 layer, a 3.5 GiB pool, measured) the peak went from
+8.76 GiB (a 2 GiB scratch, the 2 GiB unit and its 1 GiB master temporary
+beside the pool) to 5.85 GiB (the pool and the unit; estimated 5.82).
 
 Activations are measured by running the model's forward on meta tensors and
 summing what autograd saves for backward (parameters excluded: they are the
