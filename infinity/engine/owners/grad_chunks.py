@@ -6,7 +6,7 @@ A unit whose NVMe optimizer state is streamed in chunks ([Note: state
 streamed in chunks] in optstate.py) would still hold its gradients in one
 host buffer from its first gradient to its update: three buffers of the
 largest unit at the host minimum (a 525 M-parameter vocabulary unit: 3 GiB
-in bf16). Where nothing needs them whole (``placement.grad_streaming``: one
+in bf16). Where nothing needs them whole (``plan.paths.grad_streaming``: one
 rank, no ZeRO, no clipping or fp16 norm), they go through the
 state's windows instead (``UnitPlacement.grad_chunked``):
 

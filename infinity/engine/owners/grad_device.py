@@ -3,7 +3,7 @@ buffer, reduce-scattered on the device group, the own shard copied to the
 host. The device-side part of :class:`~infinity.engine.owners.grads.Gradients`
 (which owns the records, counts the bytes and keeps the tickets); whether a
 run takes this path is decided once, in placement.py ([Note: where
-gradients are reduced] in placement.py).
+gradients are reduced] in plan/paths.py).
 
 [Note: a unit's gradients on the device]
 A unit's first gradient of the window opens its flat buffer (the host

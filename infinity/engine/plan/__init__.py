@@ -1,5 +1,5 @@
 """Decided once, pure: how a model splits into units (units.py), what each
-unit costs on each tier (placement.py), the recorded order of use (trace.py),
+unit costs on each tier (placement.py), which path its bytes take (paths.py), the recorded order of use (trace.py),
 what to evict and prefetch (policy.py), the legal states of every owner
 (state.py), constants that must agree (limits.py), the estimate of peak
 bytes before allocating (estimator.py) and of the step's time: the ops'

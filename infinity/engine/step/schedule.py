@@ -94,7 +94,7 @@ class StepSchedule:
     def _reduces_in_backward(self) -> bool:
         """Each unit's gradients are reduced in the window's last backward
         (stages 0, 2, 3, and stage 1 reduced on the device: [Note: where
-        gradients are reduced] in placement.py); stage 1 on the host
+        gradients are reduced] in plan/paths.py); stage 1 on the host
         reduce-scatters them in ``step()``, unless its updates may start
         during backward (BackwardSchedule)."""
         return self.needs_reduce and (self.p.modes.zero != 1 or self.p.modes.reduce_on_device)
