@@ -29,7 +29,7 @@ class Stats:
     spec_committed: int = 0          # of them, kept as they were
     spec_replayed: int = 0           # rolled back and redone with the clip coefficient
     spec_skipped: int = 0            # rolled back and skipped (a non-finite norm)
-    spec_waited: int = 0             # steps that waited for step() after a replay (the back-off)
+    spec_waited: int = 0             # steps that waited for step(): the last one clipped, or the back-off
     spec_units_without_room: int = 0  # units that waited for step(): no host room for their undo state
     spec_units_without_disk: int = 0  # units that waited for step(): no swap room for their new NVMe state
     spec_replay_seconds: float = 0.0  # rollbacks and redone updates

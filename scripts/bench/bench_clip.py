@@ -7,7 +7,8 @@ turn (so drift in machine speed hits all alike):
   step          overlap="step", clipping on every step
   backward      overlap="backward", no clipping (the optimizer hidden)
   never         overlap="backward", clipping that never triggers
-  always        overlap="backward", clipping on every step (the back-off)
+  always        overlap="backward", clipping on every step (after the first, each step
+                follows a clipped one and waits for step())
 
 The thresholds come from the gradient norms measured in the warm-up steps
 (100x above the largest, 100x below the smallest). Reported: mean step

@@ -111,7 +111,7 @@ def test_main_job_with_host_state_speculates_under_clipping(tmp_path):
     acc, steps = res["accounting"], res["steps"]
     sp = acc["speculation"]
     assert res["max_grad_norm"] == 1.0 and sp["off"] is None, sp
-    # Every step either speculated or waited after a replay; each speculated one was committed or redone.
+    # Every step either speculated or waited (after a clipped step); each speculated one was committed or redone.
     assert sp["steps"] >= 1 and sp["steps"] + sp["waited"] == steps, sp
     assert sp["committed"] + sp["replayed"] + sp["skipped"] == sp["steps"], sp
     assert sp["replay_rate"] == (sp["replayed"] + sp["skipped"]) / sp["steps"] and sp["speculated_share"] == \

@@ -182,6 +182,8 @@ class StepSchedule:
         for u in todo:  # See [Note: zero_grad(set_to_none=False)] in grad_kept.py
             p.grads.fill_kept_zeros(u)
         skip, scale = scaling.global_scale([(u, p.grads.update_input(u), u.grads.written) for u in todo])
+        if self.spec is not None:
+            self.spec.observe(skip, scale)
         replay = bool(spec) and not self.spec.check(skip, scale)  # rolled back: every unit from here
         if spec and not replay:
             todo = [u for u in todo if u.index not in self._running]

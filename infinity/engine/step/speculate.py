@@ -51,9 +51,16 @@ scale with fp16) and no gradient overflowed:
   overflow. The kernel is deterministic for given inputs, so the
   result is overlap="step"'s bit for bit. Device copies are refreshed in
   either case (``Residency.invalidate``).
-- *Back-off.* A run that clips every step would pay a speculative update
-  and a replay each step. After a replay the next steps wait for ``step()``
-  instead: 1, then 2, 4 and at most ``MAX_BACKOFF`` steps after replays
+- *Prediction.* A step speculates only where the previous one would have
+  committed: no clipping and a finite norm (``observe``, called by every
+  ``step()``, speculated or not). Gradient norms move little from step to
+  step, so a run that clips every step (a Hugging Face run's first steps at
+  ``max_grad_norm=1.0``) waits for ``step()`` instead of paying a
+  speculative update and its replay each step; the first step without a
+  clip turns speculation back on for the next.
+- *Back-off.* Where clipping comes and goes (a norm near the threshold),
+  a wrong prediction costs a replay. After a replay the next steps wait for
+  ``step()``: 1, then 2, 4 and at most ``MAX_BACKOFF`` steps after replays
   in a row; a committed speculation ends the back-off.
 - *Low-bit state.* Low-bit moments and a bf16 master ([Note: a bf16 master
   in the engine] in update.py) are copied into the undo buffer whole, ahead
@@ -197,6 +204,7 @@ class Speculation:
         self._now: Optional[bool] = None    # this step speculates (None: not decided yet)
         self._backoff = 0                   # steps the last back-off waited
         self._wait = 0                      # steps still to wait
+        self._likely = True                 # the last step would have committed (See *Prediction*)
         self._warned: set = set()           # the fallbacks said already ("host", "disk")
 
     # -- during backward ------------------------------------------------------------------
@@ -206,7 +214,7 @@ class Speculation:
         taken (autograd thread). False: it waits for ``step()`` (the step
         backs off, or the host pool has no room)."""
         if self._now is None:
-            self._now = self._wait == 0
+            self._now = self._wait == 0 and self._likely
             self.scale = self.scaling.base_scale()
         if not self._now:
             return False
@@ -318,6 +326,13 @@ class Speculation:
         self._wait = self._backoff
         st.spec_replay_seconds += time.perf_counter() - t0
         return False
+
+    def observe(self, skip: bool, scale: float) -> None:
+        """Every ``step()``, after its norm (``check``'s arguments): whether
+        a speculation would have committed, which the next step's decision
+        follows (*Prediction* in [Note: speculative updates])."""
+        base = self.scale if self.scale is not None else self.scaling.base_scale()
+        self._likely = not skip and scale == base
 
     def end_step(self) -> None:
         """The step is over (or its gradients were dropped): the next one decides afresh."""
