@@ -252,8 +252,8 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     ``speculation`` (overlap="backward" with clipping or fp16: ``steps``
     updated speculatively, of them ``committed``, ``replayed`` with the clip
     coefficient and ``skipped`` on an overflow; ``waited`` (steps that
-    waited for ``step()`` after a replay), ``units_without_room`` (updates
-    that waited: no host room for their undo state), ``units_without_disk``
+    waited for ``step()``: after a clipped step, or in the back-off after a
+    replay), ``units_without_room`` (updates that waited: no host room for their undo state), ``units_without_disk``
     (updates that waited: no swap room for a second copy of their NVMe
     state), ``replay_seconds``, and
     ``off``: why speculation is not available in this run, or None);

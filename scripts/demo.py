@@ -269,7 +269,7 @@ def speculation_line(res: dict) -> str:
         return head + f"the updates wait for optimizer.step() (speculation off: {sp['off']}); {hidden}"
     rate = "none" if sp["replay_rate"] is None else f"{sp['replay_rate']:.2f}"
     return (head + f"{sp['steps']} of {res['steps']} steps updated speculatively during backward, replay rate {rate} "
-            f"({sp['replayed']} replayed, {sp['skipped']} skipped, {sp['waited']} waited after a replay, "
+            f"({sp['replayed']} replayed, {sp['skipped']} skipped, {sp['waited']} waited, "
             f"{sp['replay_seconds']:.3f} s of replays); {hidden}")
 
 
