@@ -253,9 +253,9 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     updated speculatively, of them ``committed``, ``replayed`` with the clip
     coefficient and ``skipped`` on an overflow; ``waited`` (steps that
     waited for ``step()``: after a clipped step, or in the back-off after a
-    replay), ``units_without_room`` (updates that waited: no host room for their undo state), ``units_without_disk``
-    (updates that waited: no swap room for a second copy of their NVMe
-    state), ``replay_seconds``, and
+    replay), ``units_without_room`` (updates that waited: no host room for
+    their undo state), ``units_without_disk`` (updates that waited: no swap
+    room for a second copy of their NVMe state), ``replay_seconds``, and
     ``off``: why speculation is not available in this run, or None);
     ``pressure_events`` (what the engine gave back under memory pressure,
     and when), ``host_cache_cap`` (the host cache's cap now, or None) and
