@@ -52,23 +52,20 @@ void save() {
   _mm_sfence();
 }
 
-void oop_nt() {
+// Out of place: the new state to the S buffers, by streaming (NT) or ordinary stores.
+template <bool NT>
+void oop() {
   for (long i = 0; i < n; i += 8) {
     const __m256 g = _mm256_load_ps(G + i);
-    _mm256_stream_ps(SP + i, upd(_mm256_load_ps(P + i), g));
-    _mm256_stream_ps(SM + i, upd(_mm256_load_ps(M + i), g));
-    _mm256_stream_ps(SV + i, upd(_mm256_load_ps(V + i), g));
+    float* dst[3] = {SP + i, SM + i, SV + i};
+    const float* src[3] = {P + i, M + i, V + i};
+    for (int k = 0; k < 3; k++) {
+      const __m256 x = upd(_mm256_load_ps(src[k]), g);
+      if (NT) _mm256_stream_ps(dst[k], x);
+      else _mm256_store_ps(dst[k], x);
+    }
   }
-  _mm_sfence();
-}
-
-void oop_reg() {
-  for (long i = 0; i < n; i += 8) {
-    const __m256 g = _mm256_load_ps(G + i);
-    _mm256_store_ps(SP + i, upd(_mm256_load_ps(P + i), g));
-    _mm256_store_ps(SM + i, upd(_mm256_load_ps(M + i), g));
-    _mm256_store_ps(SV + i, upd(_mm256_load_ps(V + i), g));
-  }
+  if (NT) _mm_sfence();
 }
 
 }  // namespace
@@ -81,7 +78,7 @@ int main(int argc, char** argv) {
     if (!*b) return 1;
     for (long i = 0; i < n; i++) (*b)[i] = 1e-3f * static_cast<float>(i % 97);  // every page touched
   }
-  void (*fn[4])() = {inplace, save, oop_nt, oop_reg};
+  void (*fn[4])() = {inplace, save, oop<true>, oop<false>};
   const char* name[4] = {"inplace", "save", "oop_nt", "oop_reg"};
   std::vector<double> ms[4];
   for (int r = 0; r < reps; r++) {
