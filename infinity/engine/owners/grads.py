@@ -5,8 +5,9 @@ by an update, released.
 Owns ``unit.grads`` (a :class:`GradRecord`); nothing else writes it. See
 [Note: gradients in the compute dtype] in placement.py, [Note: a gradient's way to
 the host] in mover.py and [Note: gradient states] in state.py; the device side of the way out is in
-grad_buckets.py ([Note: gradients leave the device in buckets]), and where gradients are reduced on
-the device, in grad_device.py ([Note: a unit's gradients on the device]).
+grad_buckets.py ([Note: gradients leave the device in buckets]); the sums over the ranks are
+grad_reduce.py's, and where gradients are reduced on the device, grad_device.py's ([Note: a unit's
+gradients on the device]).
 
 [Note: a backward after step() without zero_grad()]
 torch adds such a backward's gradients to the last step's. That is harmless
@@ -33,11 +34,12 @@ from . import grad_errors, grad_written
 from ..mechanism.nvme import key as swap_key
 from ..plan.state import GradHome, GradState, transition
 from ..plan.units import Layout
-from ..plan.limits import GRAD_BUCKET_BYTES, MAX_REDUCING  # See [Note: limits that must agree]
+from ..plan.limits import GRAD_BUCKET_BYTES  # See [Note: limits that must agree]
 from ..plan.placement import device_reduce_bytes
 from .grad_buckets import Bucket, bucket_elems, land, make_buckets, open_stage, runs_of
-from .grad_device import DeviceGrad, drop_full, issue_reduction, land_slot, open_full
+from .grad_device import DeviceGrad, drop_full, land_slot, open_full
 from .grad_kept import KeptZeros
+from .grad_reduce import GradReductions
 from .grad_chunks import Chunks, ChunkedGrads, GradStream
 from .grad_norm import fixed_bits, sum_of_squares, unit_part
 
@@ -67,7 +69,7 @@ class GradRecord:
     chunks: Chunks = field(default_factory=Chunks)  # streamed in chunks (grad_chunks.py)
 
 
-class Gradients(KeptZeros):
+class Gradients(KeptZeros, GradReductions):
     """The gradients of ``units``; ``room`` is the shared host pool (their host buffers)."""
 
     def __init__(self, units, modes, device_tier, room, nvme, mover, stats, sharding, accum_steps: int,
@@ -394,68 +396,6 @@ class Gradients(KeptZeros):
             with self.room.lock:
                 if rec.home not in (GradHome.NONE, GradHome.PERMANENT):
                     rec.home = transition(u.name, "grad home", rec.home, GradHome.NONE)
-
-    # -- over the ranks ------------------------------------------------------------------
-
-    def reduce(self, u) -> None:
-        """ZeRO and data parallelism: starts summing ``u``'s gradients over the
-        ranks (into its own shard under ZeRO; see [Note: ZeRO shards in
-        infinity]), asynchronously, so backward goes on. The ticket joins the
-        unit's tickets: whatever reads or frees the gradients waits for it;
-        stages 2-3 free the full buffer once it is done."""
-        rec = u.grads
-        if self.modes.reduce_on_device:
-            t = self._reduce_on_device(u)
-        else:
-            t = self._reduce_on_host(u)
-        # After the zeros of the slots not written here went into the sum: see grad_written.py.
-        rec.tickets += [t, grad_written.start(rec, self.sharding)]
-        rec.reduced = True
-        if self.modes.zero >= 2:
-            self._reducing.append(u)
-            while len(self._reducing) > MAX_REDUCING:
-                self._release_reduced(self._reducing.pop(0))
-
-    def _reduce_on_device(self, u):
-        """See [Note: a unit's gradients on the device] in grad_device.py: the ticket."""
-        rec = u.grads
-        self._open_device(u)  # if no gradient came on this rank: zeros
-        out = rec.shard if self.modes.zero else rec.grad  # stage 0: every rank keeps the whole sum
-        t, nb = issue_reduction(rec.device, u.layout, rec.written, self.sharding, out, self.mover)
-        self.stats.moved("d2h", out.numel() * out.element_size())
-        self._outstanding.append((t, nb))  # device bytes count until the shard is on the host
-        return t
-
-    def _reduce_on_host(self, u):
-        """The host buffers reduced over the host group; the ticket."""
-        rec = u.grads
-        self.wait(u)
-        if rec.grad is None:
-            # Spilled to NVMe (read back), or no gradient on this rank (contribute zeros).
-            spilled = rec.home is GradHome.SPILLED
-            self.acquire(u)
-            if not spilled:
-                rec.grad.zero_()
-                return self._reduce_host_buffer(rec)
-        self._zero_unwritten(u, rec.grad)  # their pool bytes are stale: the sum must see zeros
-        return self._reduce_host_buffer(rec)
-
-    def _reduce_host_buffer(self, rec):
-        if not self.modes.zero:  # plain data parallelism: every rank keeps the sum
-            return self.sharding.all_reduce_(rec.grad, async_op=True)
-        return self.sharding.reduce_scatter(rec.shard, rec.grad, async_op=True)
-
-    def _release_reduced(self, u) -> None:
-        if u.grads.home is GradHome.CLAIMED:
-            return  # the update job frees them
-        self.release(u)
-
-    def finish_reductions(self) -> None:
-        """Waits for every reduction; stages 2-3 free the full gradients."""
-        self.drain()
-        for u in self._reducing:
-            self._release_reduced(u)
-        self._reducing = []
 
     # -- the step ------------------------------------------------------------------------
 
