@@ -97,8 +97,7 @@ def meta_run(run) -> tuple:
     from .model import build_model
     d = run.data
     vocab = open_tokens(d.path, d.format, d.dtype)[1] if os.path.isfile(d.path) else 256
-    with torch.device("meta"):
-        model, loss, _ = build_model(run.model, run.config, d.seq_len, vocab, 0)
+    model, loss, _ = build_model(run.model, run.config, d.seq_len, vocab, 0, meta=True)
     x = torch.zeros(d.micro_batch, d.seq_len, dtype=torch.long, device="meta")
     if run.model.path:
         # Hugging Face's mask building reads values (.item()), which meta tensors have not: a ready 4-D

@@ -71,8 +71,12 @@ RUNTIME_BYTES = 48 << 20    # measured: RSS a step adds beyond the parts counted
 # fp16, ``grad_out.t().mm(input)``, takes an fp32 buffer of the weight's shape
 # beside its 16-bit result (a transposed 16-bit operand goes through an fp32
 # gemm); 3x the gradient's bytes at its peak, 1x in fp32 or for an embedding.
-# On the Llama-3-8B shape its head (525 M) made this 1.96 GiB of RSS.
+# On the Llama-3-8B shape its head (525 M) made this 1.96 GiB of RSS. Where
+# torch hands the dtype's matmul to oneDNN (bf16 on a CPU with AVX-512, fp16
+# with AVX512-FP16 or AMX: ``torch.ops.mkldnn._is_mkldnn_*_supported``) there
+# is no such buffer: 1.05x the bf16 gradient on an AVX-512 EPYC.
 MM_WORKSPACE_FP32 = 4       # bytes an element of that buffer
+_ONEDNN_16BIT = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
 RECOMPUTE_UNITS = 3         # blocks' worth of activations a checkpointed block's backward holds (measured)
 BACKWARD_UNITS = 1          # blocks' worth of activation gradients beside what was saved, without checkpointing
 
@@ -154,10 +158,21 @@ def _host_peak(places, modes: Modes, config: Config) -> Dict[str, int]:
 def _mm_workspace(model: nn.Module, modes: Modes) -> int:
     """RSS of the fp32 buffer torch's CPU gemm takes for the largest trainable
     nn.Linear weight's 16-bit gradient (0 in fp32); see MM_WORKSPACE_FP32."""
-    if modes.dtype == torch.float32:
+    if modes.dtype == torch.float32 or _onednn_matmul(modes.dtype):
         return 0
     return MM_WORKSPACE_FP32 * max((m.weight.numel() for m in model.modules()
                                     if isinstance(m, nn.Linear) and m.weight.requires_grad), default=0)
+
+
+def _onednn_matmul(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU matmul of this 16-bit dtype runs in oneDNN
+    (without the fp32 buffer of MM_WORKSPACE_FP32)."""
+    check = getattr(torch.ops.mkldnn, _ONEDNN_16BIT.get(dtype, ""), None)
+    try:
+        return bool(check is not None and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+                    and check())
+    except RuntimeError:  # an op this build does not have
+        return False
 
 
 def measure_activations(model: nn.Module, units, run: Optional[Callable[[nn.Module], torch.Tensor]]) -> Dict:
