@@ -79,8 +79,18 @@ struct Vec {
   static inline M unord(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
   static inline M mor(M a, M b) { return static_cast<M>(a | b); }
   static inline bool many(M k) { return k != 0; }
+  // 64 bytes a step by byte compares into a mask (AVX-512BW); bytes_none
+  // (lane1.inc) takes the tail.
   static inline bool none_masked(const uint8_t* p, int64_t n, uint8_t m1, uint8_t v1, uint8_t m2, uint8_t v2) {
-    return bytes_none(p, n, m1, v1, m2, v2);
+    const __m512i a1 = _mm512_set1_epi8(static_cast<char>(m1)), b1 = _mm512_set1_epi8(static_cast<char>(v1));
+    const __m512i a2 = _mm512_set1_epi8(static_cast<char>(m2)), b2 = _mm512_set1_epi8(static_cast<char>(v2));
+    __mmask64 any = 0;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m512i x = _mm512_loadu_si512(p + i);
+      any |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(x, a1), b1) | _mm512_cmpeq_epi8_mask(_mm512_and_si512(x, a2), b2);
+    }
+    return any == 0 && bytes_none(p + i, n - i, m1, v1, m2, v2);
   }
   static inline I load_s8(const uint8_t* p) {  // sign-extended
     return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -101,6 +111,27 @@ struct Vec {
     const __m512i rb = _mm512_srli_epi32(_mm512_add_epi32(ub, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(ub, 16), one), half)), 16);
     store16(p, _mm512_cvtepi32_epi16(ra), NT);
     store16(p + 16, _mm512_cvtepi32_epi16(rb), NT);
+  }
+  // The codes of 4 x 16 lanes of q8_code_f's f bits (adam_q8.inc), stored
+  // as 64 bytes in lane order: AVX2's store_codes4 (adam_avx2.cpp says why
+  // the multiply-add is exact) on four 128-bit lanes, whose packs interleave
+  // the vectors by 4 elements; one dword permute puts them back in order.
+  template <int MB>
+  static inline void store_codes4(uint8_t* p, I a, I b, I c, I d, const float* signs) {
+    const __m512i w = _mm512_set1_epi32((1 << 16) | (1 << (7 - MB)));
+    const __m512i off = _mm512_set1_epi16(static_cast<short>((113 + 23 - MB) << MB));
+    auto finish = [&](I x, I y) {
+      const __m512i h = _mm512_packus_epi32(_mm512_madd_epi16(x, w), _mm512_madd_epi16(y, w));
+      return _mm512_sub_epi16(_mm512_srli_epi16(h, 7 - MB), off);
+    };
+    __m512i q = _mm512_packus_epi16(finish(a, b), finish(c, d));
+    if (signs) {
+      auto ld = [&](int k) { return _mm512_castps_si512(_mm512_loadu_ps(signs + 16 * k)); };
+      const __m512i s = _mm512_packs_epi16(_mm512_packs_epi32(ld(0), ld(1)), _mm512_packs_epi32(ld(2), ld(3)));
+      q = _mm512_or_si512(q, _mm512_and_si512(s, _mm512_set1_epi8(static_cast<char>(0x80))));
+    }
+    q = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), q);
+    _mm512_storeu_si512(p, q);
   }
   static inline I load_u8(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
