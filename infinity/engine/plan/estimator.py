@@ -17,7 +17,7 @@ engine's own placement arithmetic (``infinity.engine.plan.placement``):
 - process RSS: the interpreter and libraries as they are now (measured in
   this process), the host pool, on a CPU "device" the device tier, the
   activations and the fp32 workspace of a 16-bit weight gradient
-  (``MM_WORKSPACE_FP32``), the NVMe staging buffers and a fixed runtime
+  (``MM_WORKSPACE_FP32``, where torch's CPU gemm takes one), the NVMe staging buffers and a fixed runtime
   overhead (``RUNTIME_BYTES``, measured: autograd, kernels' workspace and
   allocator caches, the optimizer's threads); or, if larger, what
   ``initialize`` holds: the pool and the model's tensors as built (all of
